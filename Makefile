@@ -1,0 +1,27 @@
+# Two commands for a fresh clone:  `make run` (the main job)  and  `make test` (the tests).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: install run test bench redis
+
+install: $(VENV)/.installed
+
+# torch is pinned to the exact CPU build that lies on this machine's disk; a looser pin
+# would pull several GB of CUDA wheels.
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+redis:
+	@redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 || \
+	  redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no
+
+run: install
+	$(VENV)/bin/batchery run examples/chat.jsonl -o results.jsonl --errors errors.jsonl
+
+test: install redis
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)

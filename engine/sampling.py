@@ -1,0 +1,72 @@
+"""Per-request sampling parameters (vLLM-compatible names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. Invalid values raise ``ValueError`` naming the field."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top logprobs per sampled token (0 = only the sampled one)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._check()
+
+    def _check(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            bad("max_tokens", "must be an integer >= 1")
+        if not 0.0 <= self.temperature <= 100.0:
+            bad("temperature", "must be in [0, 100]")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", "must be an integer >= 0 (or -1 to disable)")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            bad("repetition_penalty", "must be in (0, 10]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            bad("seed", "must be an integer or None")
+        if len(self.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", f"must be up to {MAX_STOP_STRINGS} non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
