@@ -1,0 +1,82 @@
+"""Torch reference attention over the paged KV cache: correct everywhere, the CPU path.
+
+Decode sequences (one query token each) are attended in one batched call over their gathered
+block tables; prefill chunks are attended one sequence at a time (there are few per step)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.metadata import AttentionMetadata
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    # key/value: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            softcap: float | None, is_causal: bool = False) -> torch.Tensor:
+    """q: [B, H, Q, D]; k, v: [B, Hkv, C, D]; mask: bool [B, 1, Q, C] (True = attend) or None."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    b, h, nq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, (h // hkv) * nq, d)  # query heads grouped by their kv head
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G*Q, C]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(b, hkv, h // hkv, nq, -1)
+    if is_causal:
+        mask = torch.ones(nq, k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - nq)[None, None]
+    if mask is not None:
+        scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, -1, k.shape[2])
+    return torch.matmul(probs, v).reshape(b, h, nq, d)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    # [B, max_blocks] -> [B, num_kv_heads, max_blocks * block_size, head_dim]
+    g = cache[block_tables]  # [B, max_blocks, block_size, Hkv, D]
+    b, nb, bs, hkv, d = g.shape
+    return g.view(b, nb * bs, hkv, d).transpose(1, 2)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, md: AttentionMetadata, scale: float,
+                    sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D] (already stored in the cache). Returns [T, H, D]."""
+    out = torch.empty_like(q)
+    nd = md.num_decode_tokens
+    if nd:
+        kc = _gather(k_cache, md.decode_block_tables)
+        vc = _gather(v_cache, md.decode_block_tables)
+        ctx = md.decode_context_lens  # [B]
+        pos = torch.arange(kc.shape[2], device=q.device)
+        valid = pos[None, :] < ctx[:, None]  # [B, C]
+        if sliding_window:
+            valid &= pos[None, :] > (ctx[:, None] - 1 - sliding_window)
+        o = _attend(q[:nd].unsqueeze(2), kc, vc, valid[:, None, None, :], scale, softcap)  # [B, H, 1, D]
+        out[:nd] = o.squeeze(2)
+    for p in md.prefills:
+        qs = q[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+        if p.block_table is None:
+            ks = k[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)
+            vs = v[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)
+        else:
+            ks = _gather(k_cache, p.block_table[None])[:, :, : p.context_len]
+            vs = _gather(v_cache, p.block_table[None])[:, :, : p.context_len]
+        mask = None
+        if sliding_window or p.block_table is not None:
+            qpos = torch.arange(p.context_len - p.q_len, p.context_len, device=q.device)[:, None]
+            kpos = torch.arange(p.context_len, device=q.device)[None, :]
+            m = kpos <= qpos
+            if sliding_window:
+                m &= kpos > qpos - sliding_window
+            mask = m[None, None]
+        o = _attend(qs, ks, vs, mask, scale, softcap, is_causal=mask is None)
+        out[p.q_start : p.q_start + p.q_len] = o[0].transpose(0, 1)
+    return out

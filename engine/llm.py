@@ -1,0 +1,63 @@
+"""Offline API, vLLM-style::
+
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+    llm = LLM(model="smollm2-135m-instruct", dtype="float32")
+    outs = llm.generate(["Once upon a time"], SamplingParams(max_tokens=32))
+    outs = llm.chat([[{"role": "user", "content": "Hi"}]], [SamplingParams(temperature=0, max_tokens=32)])
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+
+from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+from engine.sequence import RequestOutput
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", **engine_kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine_kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids). Outputs come back in prompt order; a
+        prompt the engine rejects (e.g. longer than the context) fails alone with
+        ``finish_reason == "error"`` and ``error`` set."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        token_ids = [self.engine.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return self._run(token_ids, params)
+
+    def chat(self, conversations: list[list[dict]] | list[dict],
+             params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate a reply for each conversation (a list of ``{"role", "content"}`` messages)."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self._run([self.engine.encode_chat(c) for c in conversations], params)
+
+    def _run(self, token_ids: list[list[int]], params) -> list[RequestOutput]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(token_ids)
+        if len(params) != len(token_ids):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(token_ids)} prompts")
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for ids, p in zip(token_ids, params):
+            rid = f"llm-{next(self._ids)}"
+            order.append(rid)
+            try:
+                self.engine.add_request(rid, ids, p)
+            except ValueError as e:
+                results[rid] = RequestOutput(rid, ids, [], "", True, "error", error=str(e))
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                results[out.request_id] = out
+        return [results[rid] for rid in order]

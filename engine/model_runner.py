@@ -1,0 +1,171 @@
+"""Owns torch: the model, the paged KV tensors, the attention backend and the sampler.
+
+Each step runs the transformers model modules on one packed row holding every scheduled token
+of every sequence, with explicit position ids; our registered attention function writes K/V
+through the slot mapping and attends over block tables. Only the rows that sample a token go
+through the LM head (``logits_to_keep``)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention.backend import ATTN_IMPLEMENTATION, register
+from engine.attention.metadata import AttentionMetadata, PrefillSeq, set_metadata
+from engine.config import EngineConfig
+from engine.loader import LoadedModel
+from engine.sampler import Sampler
+from engine.sequence import Sequence
+
+log = logging.getLogger("batchery.engine.runner")
+
+DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB
+GPU_KV_FRACTION = 0.85  # of the memory free after the weights are loaded
+MAX_DEFAULT_MODEL_LEN = 8192
+
+
+def _text_config(hf_config):
+    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        register()
+        self.config = config
+        self.model = loaded.model
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        if self.model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        cfg = _text_config(loaded.hf_config)
+        self.num_layers = cfg.num_hidden_layers
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.vocab_size = cfg.vocab_size
+        self.block_size = config.block_size
+
+        model_len = config.max_model_len or min(getattr(cfg, "max_position_embeddings", MAX_DEFAULT_MODEL_LEN),
+                                                MAX_DEFAULT_MODEL_LEN)
+        self.num_kv_blocks = self._num_blocks(model_len)
+        self.max_model_len = min(model_len, self.num_kv_blocks * self.block_size)
+        shape = (self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.num_layers)
+        ]
+        self.backend = self._pick_backend()
+        self.sampler = Sampler(self.device, config.seed)
+
+    def _bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def _num_blocks(self, model_len: int) -> int:
+        c = self.config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        if c.kv_cache_memory is not None:
+            budget = c.kv_cache_memory
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * GPU_KV_FRACTION)
+        else:
+            budget = DEFAULT_CPU_KV_BYTES
+        blocks = budget // self._bytes_per_block()
+        # never more than every slot filled to the full context needs
+        blocks = min(blocks, c.max_num_seqs * (-(-model_len // self.block_size)))
+        if blocks < 1:
+            raise ValueError(f"the KV-cache budget of {budget} bytes does not hold a single block")
+        return int(blocks)
+
+    def _pick_backend(self) -> str:
+        want = self.config.attention_backend
+        if want == "torch" or (want == "auto" and self.device.type != "cuda"):
+            return "torch"
+        try:
+            import triton  # noqa: F401
+
+            from engine.attention import triton_backend  # noqa: F401
+        except Exception as e:  # the engine must still run where Triton is missing
+            if want == "triton":
+                raise RuntimeError(f"attention_backend='triton' but Triton is unavailable: {e}") from e
+            log.warning("Triton unavailable (%s); using the torch attention backend", e)
+            return "torch"
+        return "triton"
+
+    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]):
+        """Pack the step: decode sequences first, then prefill chunks."""
+        bs = self.block_size
+        order = sorted(range(len(seqs)), key=lambda i: not (num_new_tokens[i] == 1 and seqs[i].num_computed_tokens > 0))
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_idx: list[int] = []
+        sample_seqs: list[Sequence] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[tuple[int, int, int, list[int] | None]] = []
+        for i in order:
+            seq, n = seqs[i], num_new_tokens[i]
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            q_start = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1 and start > 0:
+                decode_tables.append(table)
+                decode_lens.append(end)
+            else:
+                prefills.append((q_start, n, end, table if start > 0 else None))
+            if end == seq.num_tokens:  # the whole sequence is computed: sample its next token
+                logits_idx.append(q_start + n - 1)
+                sample_seqs.append(seq)
+
+        dev = self.device
+        md = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decode_tokens=len(decode_lens),
+            decode_block_tables=None,
+            decode_context_lens=None,
+            kv_caches=self.kv_caches,
+            backend=self.backend,
+        )
+        if decode_lens:
+            width = max(len(t) for t in decode_tables)
+            md.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
+                                                  dtype=torch.long, device=dev)
+            md.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
+        for q_start, n, ctx, table in prefills:
+            bt = None if table is None else torch.tensor(table[: -(-ctx // bs)], dtype=torch.long, device=dev)
+            md.prefills.append(PrefillSeq(q_start, n, ctx, bt))
+        if self.backend == "triton" and prefills:
+            from engine.attention import triton_backend
+
+            triton_backend.add_prefill_metadata(md, prefills, bs, dev)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)[None]
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)[None]
+        keep = torch.tensor(logits_idx, dtype=torch.long, device=dev)
+        return ids, pos, keep, md, sample_seqs
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        set_metadata(md)
+        try:
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep)
+        finally:
+            set_metadata(None)
+        return out.logits[0]  # [num_sample, vocab]
+
+    def run(self, seqs: list[Sequence], num_new_tokens: list[int], eos_ids: list[int]):
+        """One engine step on the device. Returns (sampled seqs, token ids, logprob entries)."""
+        ids, pos, keep, md, sample_seqs = self.prepare(seqs, num_new_tokens)
+        if not sample_seqs:
+            keep = keep.new_zeros(1)  # a pure partial-prefill step: compute K/V, sample nothing
+        logits = self.forward(ids, pos, keep, md)
+        if not sample_seqs:
+            return [], [], []
+        tokens, entries = self.sampler(logits, sample_seqs, eos_ids)
+        return sample_seqs, tokens, entries

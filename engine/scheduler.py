@@ -1,0 +1,106 @@
+"""Iteration-level scheduler: token budget, decode first, chunked prefill, preemption by recompute.
+
+Pure Python: plain ints, no torch."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # per seq, tokens computed this step
+    num_preempted: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Sequence] = []  # sorted by (priority, arrival_time)
+        self.running: list[Sequence] = []  # admission order; decode tokens go first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        keys = [s.sort_key() for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, seq.sort_key()), seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence (finished or aborted) and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free_seq(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free_seq(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        bm = self.block_manager
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        # 1. Running sequences: one decode token each, or the next chunk of an unfinished prefill.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not bm.can_allocate(seq, n):
+                # Out of blocks: preempt the lowest-priority, newest sequence not yet scheduled.
+                victim = max(self.running[i:], key=Sequence.sort_key)
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                bm.allocate(seq, n)
+                out.seqs.append(seq)
+                out.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+                continue
+            # seq itself was preempted; the list shifted, so index i now holds the next one
+
+        # 2. Waiting sequences, in priority/FCFS order, while budget, slots and blocks allow.
+        if out.num_preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            bm.match_prefix(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not bm.can_allocate(seq, n):
+                bm.free_seq(seq)  # give back prefix-cache references taken by match_prefix
+                break
+            bm.allocate(seq, n)
+            self.waiting.pop(0)
+            if bm.enable_prefix_caching:
+                bm.num_query_tokens += seq.num_tokens
+                bm.num_hit_tokens += seq.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
+            budget -= n
+        return out
