@@ -1,0 +1,334 @@
+"""Paged KV-cache Triton kernels against dense torch references.
+
+Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1 must be set
+before triton is imported); with CUDA they are compiled and run on the GPU.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from engine.attention.triton_attention import (  # noqa: E402
+    paged_decode_attention,
+    paged_prefill_attention,
+    ref_paged_decode_attention,
+    ref_paged_prefill_attention,
+    store_kvcache,
+)
+
+if os.environ.get("TRITON_INTERPRET") == "1" and isinstance(tl.zeros, triton.JITFunction):
+    # triton chooses interpreter or compiler as each @jit function is defined, its own
+    # triton.language helpers included, so the variable must be set before triton is imported.
+    pytest.fail("triton was imported before TRITON_INTERPRET=1 was set; set it in tests/conftest.py "
+                "or the environment", pytrace=False)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 4e-2}
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_scalar_index(monkeypatch):
+    """Works around triton-lang/triton#9171 in the CPU interpreter.
+
+    With numpy >= 2.4 the triton 3.6 interpreter cannot use a loaded scalar as a ``range``
+    bound (it calls ``int()`` on a 1-element array). The upstream fix converts via
+    ``squeeze()``; apply the same conversion here until the pinned triton carries it.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
+
+
+def _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, gen):
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    v = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    return k, v
+
+
+def _block_tables(context_lens, block_size, gen, spare_blocks=3):
+    """Shuffled, non-contiguous block tables padded with 0 (block 0 is never allocated)."""
+    needed = [-(-c // block_size) for c in context_lens]
+    num_blocks = 1 + sum(needed) + spare_blocks
+    pool = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    width = max(max(needed), 1) + 1  # one extra column of padding
+    table = torch.zeros(len(context_lens), width, dtype=torch.int32)
+    for i, n in enumerate(needed):
+        table[i, :n] = torch.tensor(pool[:n], dtype=torch.int32)
+        pool = pool[n:]
+    return table.to(DEVICE), num_blocks
+
+
+def _assert_close(actual, expected, dtype):
+    tol = TOL[dtype]
+    assert actual.dtype == expected.dtype == dtype
+    assert not torch.isnan(actual).any()
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+# --------------------------------------------------------------------------------------------
+# store_kvcache
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_size,num_kv_heads,head_dim", [(8, 2, 32), (16, 3, 80)])
+def test_store_kvcache_writes_slots_and_skips_minus_one(dtype, block_size, num_kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(0)
+    num_blocks, num_tokens = 5, 13
+    k_cache, v_cache = _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, gen)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    # key/value as non-contiguous views of a fused projection, like a real model produces
+    fused = torch.randn(num_tokens, 3, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    key, value = fused[:, 1], fused[:, 2]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[[2, 7]] = -1
+    slot_mapping = slots.to(DEVICE)
+
+    store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+
+    expected_k = k_before.view(-1, num_kv_heads, head_dim).clone()
+    expected_v = v_before.view(-1, num_kv_heads, head_dim).clone()
+    keep = slot_mapping >= 0
+    expected_k[slot_mapping[keep]] = key[keep]
+    expected_v[slot_mapping[keep]] = value[keep]
+    assert torch.equal(k_cache.view(-1, num_kv_heads, head_dim), expected_k)
+    assert torch.equal(v_cache.view(-1, num_kv_heads, head_dim), expected_v)
+
+
+def test_store_then_attend_matches_dense_attention():
+    """Prefill K/V go in through store_kvcache; attention over them matches plain causal SDPA."""
+    gen = torch.Generator().manual_seed(1)
+    block_size, num_heads, num_kv_heads, head_dim, seq_len = 8, 4, 2, 32, 21
+    table, num_blocks = _block_tables([seq_len], block_size, gen)
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    q = torch.randn(seq_len, num_heads, head_dim, generator=gen).to(DEVICE)
+    k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    pos = torch.arange(seq_len, device=DEVICE)
+    slot_mapping = table[0].long()[pos // block_size] * block_size + pos % block_size
+    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+    cu = torch.tensor([0, seq_len], dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor([seq_len], dtype=torch.int32, device=DEVICE)
+    out = paged_prefill_attention(q, k_cache, v_cache, table, cu, ctx, scale=0.2)
+
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1),
+        v.repeat_interleave(2, 1).transpose(0, 1), is_causal=True, scale=0.2,
+    ).transpose(0, 1)
+    _assert_close(out, expected, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# decode
+# --------------------------------------------------------------------------------------------
+
+DECODE_CASES = [
+    # block_size, num_heads, num_kv_heads, head_dim, sliding_window, softcap
+    (8, 4, 4, 32, None, None),
+    (16, 6, 2, 64, None, None),
+    (8, 8, 2, 64, None, 30.0),
+    (16, 4, 1, 32, 7, None),
+    (8, 6, 2, 32, 20, 50.0),
+    (16, 3, 3, 80, None, None),
+]
+
+
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim,sliding_window,softcap", DECODE_CASES)
+def test_decode_matches_reference(block_size, num_heads, num_kv_heads, head_dim, sliding_window, softcap):
+    gen = torch.Generator().manual_seed(2)
+    context_lens = [1, 9, 40, 77]
+    table, num_blocks = _block_tables(context_lens, block_size, gen)
+    k_cache, v_cache = _cache(num_blocks, block_size, num_kv_heads, head_dim, torch.float32, gen)
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=gen).to(DEVICE)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+
+    out = paged_decode_attention(q, k_cache, v_cache, table, ctx, scale, sliding_window, softcap)
+    expected = ref_paged_decode_attention(q, k_cache, v_cache, table, ctx, scale, sliding_window, softcap)
+    _assert_close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3])
+@pytest.mark.parametrize("sliding_window", [None, 30])
+def test_decode_split_context_matches_reference(num_splits, sliding_window):
+    gen = torch.Generator().manual_seed(3)
+    block_size, num_heads, num_kv_heads, head_dim = 8, 4, 2, 32
+    context_lens = [0, 5, 70, 150]  # a padding row, and rows whose later partitions are empty
+    table, num_blocks = _block_tables(context_lens, block_size, gen)
+    k_cache, v_cache = _cache(num_blocks, block_size, num_kv_heads, head_dim, torch.float32, gen)
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=gen).to(DEVICE)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+
+    out = paged_decode_attention(q, k_cache, v_cache, table, ctx, 0.3, sliding_window, 40.0,
+                                 num_splits=num_splits)
+    single = paged_decode_attention(q, k_cache, v_cache, table, ctx, 0.3, sliding_window, 40.0,
+                                    num_splits=1)
+    expected = ref_paged_decode_attention(q, k_cache, v_cache, table, ctx, 0.3, sliding_window, 40.0)
+    _assert_close(out, expected, torch.float32)
+    _assert_close(single, expected, torch.float32)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+def test_decode_ignores_blocks_outside_the_table():
+    """Poisoning every slot the block table does not cover must not change the result."""
+    gen = torch.Generator().manual_seed(4)
+    block_size, num_heads, num_kv_heads, head_dim = 8, 2, 1, 32
+    context_lens = [11, 3]
+    table, num_blocks = _block_tables(context_lens, block_size, gen)
+    k_cache, v_cache = _cache(num_blocks, block_size, num_kv_heads, head_dim, torch.float32, gen)
+    q = torch.randn(2, num_heads, head_dim, generator=gen).to(DEVICE)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    before = paged_decode_attention(q, k_cache, v_cache, table, ctx, 0.2)
+
+    used = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    for i, c in enumerate(context_lens):
+        pos = torch.arange(c)
+        used[table[i].cpu().long()[pos // block_size] * block_size + pos % block_size] = True
+    flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    flat_k[~used.to(DEVICE)] = 1e4
+    flat_v[~used.to(DEVICE)] = float("nan")
+    after = paged_decode_attention(q, k_cache, v_cache, table, ctx, 0.2)
+    assert torch.equal(before, after)
+
+
+# --------------------------------------------------------------------------------------------
+# prefill
+# --------------------------------------------------------------------------------------------
+
+PREFILL_CASES = [
+    # block_size, num_heads, num_kv_heads, head_dim, sliding_window, softcap, cached prefix
+    (8, 4, 4, 32, None, None, False),
+    (16, 6, 2, 64, None, None, True),
+    (8, 4, 1, 32, None, 50.0, True),
+    (16, 8, 2, 32, 9, None, False),
+    (8, 6, 2, 64, 24, 30.0, True),
+    (16, 3, 3, 80, 16, None, True),
+]
+
+
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim,sliding_window,softcap,prefix",
+                         PREFILL_CASES)
+def test_prefill_matches_reference(block_size, num_heads, num_kv_heads, head_dim, sliding_window, softcap,
+                                   prefix):
+    gen = torch.Generator().manual_seed(5)
+    # (query tokens, context length); with a prefix, the context is longer than the query
+    if prefix:
+        seqs = [(5, 29), (1, 9), (70, 83), (16, 16)]
+    else:
+        seqs = [(5, 5), (1, 1), (70, 70), (17, 17)]
+    q_lens, context_lens = zip(*seqs)
+    table, num_blocks = _block_tables(context_lens, block_size, gen)
+    k_cache, v_cache = _cache(num_blocks, block_size, num_kv_heads, head_dim, torch.float32, gen)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(DEVICE)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+
+    out = paged_prefill_attention(q, k_cache, v_cache, table, cu, ctx, scale, sliding_window, softcap)
+    expected = ref_paged_prefill_attention(q, k_cache, v_cache, table, cu, ctx, scale, sliding_window,
+                                           softcap)
+    _assert_close(out, expected, torch.float32)
+
+
+def test_prefill_last_token_equals_decode():
+    gen = torch.Generator().manual_seed(6)
+    block_size, num_heads, num_kv_heads, head_dim = 16, 4, 2, 32
+    context_lens = [12, 37]
+    table, num_blocks = _block_tables(context_lens, block_size, gen)
+    k_cache, v_cache = _cache(num_blocks, block_size, num_kv_heads, head_dim, torch.float32, gen)
+    q = torch.randn(2, num_heads, head_dim, generator=gen).to(DEVICE)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+
+    prefill = paged_prefill_attention(q, k_cache, v_cache, table, cu, ctx, 0.25, 10, 30.0)
+    decode = paged_decode_attention(q, k_cache, v_cache, table, ctx, 0.25, 10, 30.0)
+    _assert_close(prefill, decode, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# half precision
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot_probe_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tile = offs[:, None] * N + offs[None, :]
+    tl.store(out_ptr + tile, tl.dot(tl.load(a_ptr + tile), tl.load(b_ptr + tile)))
+
+
+def _skip_unless_backend_dots(dtype):
+    """The CPU interpreter computes tl.dot wrongly for some dtypes (bfloat16 in triton 3.6)."""
+    if DEVICE == "cuda":
+        return
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(16, 16, generator=gen).to(dtype) for _ in range(2))
+    out = torch.zeros(16, 16)
+    try:
+        _dot_probe_kernel[(1,)](a, b, out, N=16)
+    except Exception as exc:
+        pytest.skip(f"Triton interpreter cannot run tl.dot on {dtype}: {exc!r}")
+    if not torch.allclose(out, a.float() @ b.float(), atol=1e-2, rtol=1e-2):
+        pytest.skip(f"Triton interpreter computes tl.dot on {dtype} incorrectly")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_decode_and_prefill(dtype):
+    _skip_unless_backend_dots(dtype)
+    gen = torch.Generator().manual_seed(7)
+    block_size, num_heads, num_kv_heads, head_dim = 16, 4, 2, 64
+    seqs = [(3, 20), (40, 40)]
+    q_lens, context_lens = zip(*seqs)
+    table, num_blocks = _block_tables(context_lens, block_size, gen)
+    k_cache, v_cache = _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, gen)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    q_dec = torch.randn(2, num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    dec = paged_decode_attention(q_dec, k_cache, v_cache, table, ctx, scale, softcap=30.0)
+    expected_dec = ref_paged_decode_attention(q_dec, k_cache, v_cache, table, ctx, scale, softcap=30.0)
+    _assert_close(dec, expected_dec, dtype)
+
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    cu = torch.tensor([0, 3, 43], dtype=torch.int32, device=DEVICE)
+    pre = paged_prefill_attention(q, k_cache, v_cache, table, cu, ctx, scale, sliding_window=12)
+    expected_pre = ref_paged_prefill_attention(q, k_cache, v_cache, table, cu, ctx, scale, sliding_window=12)
+    _assert_close(pre, expected_pre, dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# argument validation
+# --------------------------------------------------------------------------------------------
+
+
+def test_rejects_head_counts_that_do_not_group():
+    k_cache = torch.zeros(2, 8, 3, 32, device=DEVICE)
+    q = torch.zeros(1, 4, 32, device=DEVICE)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    ctx = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        paged_decode_attention(q, k_cache, k_cache.clone(), table, ctx, 1.0)
+
+
+def test_rejects_dtype_mismatch_in_store():
+    k_cache = torch.zeros(2, 8, 1, 32, device=DEVICE)
+    key = torch.zeros(3, 1, 32, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="dtype"):
+        store_kvcache(key, key, k_cache, k_cache.clone(), torch.zeros(3, dtype=torch.long, device=DEVICE))
