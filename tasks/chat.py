@@ -1,0 +1,178 @@
+"""The Celery task functions. Thin, like web views: validate, submit, wait, shape.
+
+They are registered by ``worker.app.make_app`` as ``batchery.chat_completion`` and
+``batchery.completion``. At run time they find the process's engine service and settings on the
+app (``app.batchery_service``, ``app.batchery_settings``), set by the worker entry point.
+
+Error policy:
+- a bad body (or a prompt the engine refuses) -> ``InvalidRequest``, never retried;
+- the deadline passes -> the request is aborted in the engine -> ``DeadlineExceeded``, not retried;
+- ``EngineFailure`` -> retried with exponential backoff and jitter, up to ``max_retries``, on any
+  worker of the queue;
+- this worker cannot serve (``EngineUnavailable``: warm shutdown, or its engine is given up
+  on) -> the message goes back to the queue untouched (``Reject(requeue=True)``)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+from celery.exceptions import Reject
+from pydantic import BaseModel, ValidationError
+
+from tasks.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChoiceLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    PromptTokensDetails,
+    Timing,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    describe_validation_error,
+)
+from worker.engine_service import GenerationRequest, GenerationResult
+from worker.errors import EngineFailure, EngineUnavailable, InvalidRequest
+
+CHAT_TASK = "batchery.chat_completion"
+COMPLETION_TASK = "batchery.completion"
+
+
+def chat_completion(self, body: dict, timeout: float | None = None) -> dict:
+    """OpenAI Chat Completions body in, ``ChatCompletion`` (as a dict) out."""
+    started = time.time()
+    req = _validate(ChatCompletionRequest, body)
+    gen = GenerationRequest(messages=req.engine_messages(), sampling=req.sampling())
+    result = _generate(self, gen, timeout)
+    return shape_chat(req, result, self.request.id, self.app.batchery_settings.model, started,
+                      self.request.retries or 0).model_dump(mode="json")
+
+
+def completion(self, body: dict, timeout: float | None = None) -> dict:
+    """OpenAI Completions body in, ``Completion`` (as a dict) out."""
+    started = time.time()
+    req = _validate(CompletionRequest, body)
+    if isinstance(req.prompt, str):
+        gen = GenerationRequest(prompt=req.prompt, sampling=req.sampling())
+    else:
+        gen = GenerationRequest(prompt_token_ids=list(req.prompt), sampling=req.sampling())
+    result = _generate(self, gen, timeout)
+    return shape_completion(req, result, self.request.id, self.app.batchery_settings.model, started,
+                            self.request.retries or 0).model_dump(mode="json")
+
+
+# -- the three steps ----------------------------------------------------------------------------
+def _validate(schema: type[BaseModel], body):
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"invalid request body: expected a JSON object, got {type(body).__name__}")
+    try:
+        return schema.model_validate(body)
+    except ValidationError as exc:
+        raise InvalidRequest(describe_validation_error(exc)) from None
+
+
+def resolve_timeout(timeout, settings) -> float:
+    if timeout is None:
+        return settings.task_timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if timeout > settings.max_task_timeout:
+        raise InvalidRequest(f"timeout {timeout:g} s exceeds this worker's limit of {settings.max_task_timeout:g} s")
+    return float(timeout)
+
+
+def retry_delay(retries: int, settings) -> float:
+    """Exponential backoff with jitter: base * 2**retries, capped, then scaled by U(0.5, 1)."""
+    delay = min(settings.retry_backoff_max, settings.retry_backoff * (2 ** retries))
+    return delay * random.uniform(0.5, 1.0)
+
+
+def _generate(task, gen: GenerationRequest, timeout) -> GenerationResult:
+    settings = task.app.batchery_settings
+    deadline = resolve_timeout(timeout, settings)
+    service = getattr(task.app, "batchery_service", None)
+    try:
+        if service is None:
+            raise EngineUnavailable("this process has no engine service (not a batchery worker)")
+        return service.generate(gen, deadline)
+    except EngineUnavailable as exc:
+        # This worker cannot serve (shutting down, or its engine is gone for good): hand the
+        # message back untouched for another worker, without spending a retry.
+        raise Reject(str(exc), requeue=True) from None
+    except EngineFailure as exc:
+        retries = task.request.retries or 0
+        if retries >= settings.max_retries:
+            raise EngineFailure(f"{exc} -- gave up after {retries} retries") from None
+        raise task.retry(exc=exc, countdown=retry_delay(retries, settings), max_retries=settings.max_retries)
+
+
+# -- shaping ------------------------------------------------------------------------------------
+def _usage(r: GenerationResult) -> Usage:
+    return Usage(
+        prompt_tokens=r.num_prompt_tokens,
+        completion_tokens=len(r.token_ids),
+        total_tokens=r.num_prompt_tokens + len(r.token_ids),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=r.num_cached_tokens),
+    )
+
+
+def _timing(r: GenerationResult, started: float, attempt: int) -> Timing:
+    return Timing(task_started_at=started, engine_added_at=r.added_at, engine_finished_at=r.finished_at,
+                  attempt=attempt)
+
+
+def _bytes(s: str) -> list[int]:
+    return list(s.encode("utf-8", errors="replace"))
+
+
+def shape_chat(req: ChatCompletionRequest, r: GenerationResult, task_id: str, model: str, started: float,
+               attempt: int = 0) -> ChatCompletion:
+    logprobs = None
+    if r.logprobs is not None:
+        logprobs = ChoiceLogprobs(content=[
+            TokenLogprob(token=e["token"], logprob=e["logprob"], bytes=_bytes(e["token"]),
+                         top_logprobs=[TopLogprob(token=t["token"], logprob=t["logprob"], bytes=_bytes(t["token"]))
+                                       for t in e["top"][: req.top_logprobs or 0]])
+            for e in r.logprobs
+        ])
+    return ChatCompletion(
+        id=f"chatcmpl-{task_id}",
+        created=int(started),
+        model=model,
+        choices=[ChatChoice(index=0, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason,
+                            logprobs=logprobs)],
+        usage=_usage(r),
+        timing=_timing(r, started, attempt),
+    )
+
+
+def shape_completion(req: CompletionRequest, r: GenerationResult, task_id: str, model: str, started: float,
+                     attempt: int = 0) -> Completion:
+    logprobs = None
+    if r.logprobs is not None:
+        offsets, pos = [], 0
+        for e in r.logprobs:
+            offsets.append(pos)
+            pos += len(e["token"])
+        logprobs = CompletionLogprobs(
+            tokens=[e["token"] for e in r.logprobs],
+            token_logprobs=[e["logprob"] for e in r.logprobs],
+            top_logprobs=[{t["token"]: t["logprob"] for t in e["top"][: req.logprobs or 0]} for e in r.logprobs],
+            text_offset=offsets,
+        )
+    return Completion(
+        id=f"cmpl-{task_id}",
+        created=int(started),
+        model=model,
+        choices=[CompletionChoice(index=0, text=r.text, finish_reason=r.finish_reason, logprobs=logprobs)],
+        usage=_usage(r),
+        timing=_timing(r, started, attempt),
+    )
+
+

@@ -1,0 +1,179 @@
+"""Python client: enqueue OpenAI-style requests on a model's queue and collect typed results.
+
+    from tasks.client import Client
+    c = Client()                                   # or Client(broker_url="redis://...")
+    h = c.chat([{"role": "user", "content": "Hi"}], max_tokens=32, temperature=0, timeout=60)
+    r = h.get(timeout=120)                         # ChatCompletion; r.choices[0].message.content
+    hs = c.chat_many([[...], [...]], max_tokens=32)
+    r = await h.aget()
+
+Bodies are validated here too, so a bad request fails at once, before it is enqueued. ``get``
+raises ``InvalidRequest``, ``DeadlineExceeded``, ``EngineFailure`` (retries exhausted),
+``TaskExpired`` or ``ResultTimeout``. Light: no torch, no engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterable
+
+from celery.exceptions import TaskRevokedError
+from celery.exceptions import TimeoutError as CeleryTimeoutError
+from celery.result import AsyncResult
+from pydantic import BaseModel, ValidationError
+
+from tasks.chat import CHAT_TASK, COMPLETION_TASK
+from tasks.schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    describe_validation_error,
+)
+from worker.errors import (
+    BatcheryError,
+    DeadlineExceeded,
+    EngineFailure,
+    InvalidRequest,
+    ResultTimeout,
+    TaskExpired,
+)
+from worker.settings import Settings
+
+__all__ = [
+    "Client", "Handle", "BatcheryError", "InvalidRequest", "DeadlineExceeded", "EngineFailure", "TaskExpired",
+    "ResultTimeout",
+]
+
+
+class Handle:
+    """One enqueued request. ``get``/``aget`` return the pydantic response object."""
+
+    def __init__(self, result: AsyncResult, response_model: type[BaseModel], enqueued_at: float) -> None:
+        self._result = result
+        self._model = response_model
+        self.enqueued_at = enqueued_at  # time.time() just before the message was published
+
+    @property
+    def id(self) -> str:
+        return self._result.id
+
+    @property
+    def state(self) -> str:
+        return self._result.state
+
+    def ready(self) -> bool:
+        return self._result.ready()
+
+    def get(self, timeout: float | None = None):
+        """Wait for the result (at most ``timeout`` seconds; None waits forever)."""
+        try:
+            value = self._result.get(timeout=timeout, propagate=True, disable_sync_subtasks=False)
+        except CeleryTimeoutError:
+            raise ResultTimeout(f"no result for task {self.id} within {timeout:g} s "
+                                f"(state {self._result.state}); it may still complete") from None
+        except TaskRevokedError as exc:
+            raise TaskExpired(f"task {self.id} was not run: it expired or was revoked ({exc})") from None
+        return self._model.model_validate(value)
+
+    async def aget(self, timeout: float | None = None, poll_interval: float = 0.25):
+        """``get`` for asyncio: polls the result backend from a worker thread, never blocking the loop."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.01
+        while not await asyncio.to_thread(self._result.ready):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ResultTimeout(f"no result for task {self.id} within {timeout:g} s; it may still complete")
+            await asyncio.sleep(delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(poll_interval, delay * 2)
+        return await asyncio.to_thread(self.get, 5.0)
+
+    def forget(self) -> None:
+        """Drop the stored result from the backend."""
+        self._result.forget()
+
+
+class Client:
+    """Enqueue requests for a model's worker pool. Settings default to ``BATCHERY_*`` variables."""
+
+    def __init__(self, broker_url: str | None = None, *, result_backend: str | None = None,
+                 queue: str | None = None, model: str | None = None, settings: Settings | None = None) -> None:
+        if settings is None:
+            overrides = {k: v for k, v in (("broker_url", broker_url), ("result_backend", result_backend),
+                                           ("queue", queue), ("model", model)) if v is not None}
+            if broker_url is not None and result_backend is None:
+                overrides["result_backend"] = broker_url
+            settings = Settings(**overrides)
+        from worker.app import make_app  # celery app config shared with the worker (JSON only, routes)
+
+        self.settings = settings
+        self.queue = settings.queue
+        self.app = make_app(settings)
+
+    def close(self) -> None:
+        self.app.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- single requests ------------------------------------------------------------------------
+    def chat(self, messages: list[dict], *, timeout: float | None = None, expires: float | None = None,
+             **params) -> Handle:
+        """Enqueue a chat completion. ``params`` are the OpenAI body fields (max_tokens, temperature,
+        ...); ``timeout`` is the task's deadline in seconds; ``expires`` drops the task if no worker
+        has started it within that many seconds."""
+        return self._send(CHAT_TASK, ChatCompletionRequest, ChatCompletion, {"messages": messages, **params},
+                          timeout, expires)
+
+    def complete(self, prompt: str | list[int], *, timeout: float | None = None, expires: float | None = None,
+                 **params) -> Handle:
+        """Enqueue a (legacy) completion of ``prompt`` (text or token ids)."""
+        return self._send(COMPLETION_TASK, CompletionRequest, Completion, {"prompt": prompt, **params},
+                          timeout, expires)
+
+    # -- bulk -----------------------------------------------------------------------------------
+    def chat_many(self, conversations: Iterable[list[dict]], *, timeout: float | None = None,
+                  expires: float | None = None, **params) -> list[Handle]:
+        """Enqueue many chat completions over one broker connection. All are validated first, so
+        either every request is enqueued or none is."""
+        bodies = [{"messages": m, **params} for m in conversations]
+        return self._send_many(CHAT_TASK, ChatCompletionRequest, ChatCompletion, bodies, timeout, expires)
+
+    def complete_many(self, prompts: Iterable[str | list[int]], *, timeout: float | None = None,
+                      expires: float | None = None, **params) -> list[Handle]:
+        bodies = [{"prompt": p, **params} for p in prompts]
+        return self._send_many(COMPLETION_TASK, CompletionRequest, Completion, bodies, timeout, expires)
+
+    # -- internals ------------------------------------------------------------------------------
+    @staticmethod
+    def _check(schema: type[BaseModel], body: dict, index: int | None = None) -> None:
+        try:
+            schema.model_validate(body)
+        except ValidationError as exc:
+            what = "request body" if index is None else f"request body #{index}"
+            raise InvalidRequest(describe_validation_error(exc, what)) from None
+
+    def _check_timeout(self, timeout: float | None) -> None:
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+    def _publish(self, name: str, body: dict, timeout, expires, model, producer=None) -> Handle:
+        now = time.time()
+        result = self.app.send_task(name, kwargs={"body": body, "timeout": timeout}, queue=self.queue,
+                                    task_id=str(uuid.uuid4()), expires=expires, producer=producer)
+        return Handle(result, model, now)
+
+    def _send(self, name, schema, model, body, timeout, expires) -> Handle:
+        self._check(schema, body)
+        self._check_timeout(timeout)
+        return self._publish(name, body, timeout, expires, model)
+
+    def _send_many(self, name, schema, model, bodies, timeout, expires) -> list[Handle]:
+        for i, body in enumerate(bodies):
+            self._check(schema, body, i)
+        self._check_timeout(timeout)
+        with self.app.producer_or_acquire() as producer:
+            return [self._publish(name, body, timeout, expires, model, producer) for body in bodies]

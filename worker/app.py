@@ -1,0 +1,56 @@
+"""The Celery app, built from ``Settings``. No import-time side effects: call ``make_app``.
+
+Delivery is at-least-once: late acks, reject on worker loss, a Redis visibility timeout longer
+than the longest deadline, bounded prefetch, and JSON only (pickle is refused both for task
+messages and for results)."""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from tasks import chat
+from tasks.chat import CHAT_TASK, COMPLETION_TASK
+from worker.errors import DeadlineExceeded, InvalidRequest
+from worker.settings import Settings
+
+
+def make_app(settings: Settings | None = None) -> Celery:
+    """A Celery app for ``settings`` (default: from the environment) with both tasks registered."""
+    settings = settings or Settings()
+    app = Celery("batchery", broker=settings.broker_url, backend=settings.result_backend, set_as_current=False)
+    app.conf.update(
+        # JSON only, everywhere
+        task_serializer="json",
+        result_serializer="json",
+        event_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        # at-least-once delivery
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_acks_on_failure_or_timeout=True,  # a task that failed for good is not redelivered
+        worker_prefetch_multiplier=1,  # prefetch = concurrency: bounded
+        broker_transport_options={"visibility_timeout": settings.visibility_timeout},
+        result_expires=settings.result_expires,
+        # one queue per model
+        task_default_queue=settings.queue,
+        task_routes={CHAT_TASK: {"queue": settings.queue}, COMPLETION_TASK: {"queue": settings.queue}},
+        # many tasks per process, all feeding one engine
+        worker_pool="threads",
+        worker_concurrency=settings.num_task_threads,
+        # the entry point owns logging and stdout
+        worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
+        broker_connection_retry_on_startup=True,
+        # a lost broker connection must not cancel generations; their messages stay unacked
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        enable_utc=True,
+    )
+    expected = (InvalidRequest, DeadlineExceeded)  # logged without a traceback
+    common = dict(bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=settings.max_retries,
+                  throws=expected, resultrepr_maxsize=160)
+    app.task(name=CHAT_TASK, **common)(chat.chat_completion)
+    app.task(name=COMPLETION_TASK, **common)(chat.completion)
+    app.batchery_settings = settings
+    app.batchery_service = None
+    return app

@@ -1,0 +1,566 @@
+"""One engine per worker process: a loop thread drives it, task threads wait on futures.
+
+The engine is single-threaded, so task threads never touch it: ``submit`` and ``abort`` only
+queue an operation and wake the loop thread, which applies it (tokenize, ``add_request``,
+``abort``) between steps. Each request's ``concurrent.futures.Future`` is resolved by the loop
+thread when the request finishes.
+
+A supervisor thread watches over the loop. When ``step()`` raises, or the watchdog sees work
+pending and no progress for ``watchdog_timeout`` seconds, it logs one ERROR with the traceback,
+fails every in-flight future at once with a retryable ``EngineFailure``, abandons the old engine
+and its loop thread (a late result from an abandoned step is ignored), and builds a new engine on
+the same loaded weights. After ``max_rebuilds`` consecutive failed rebuilds it gives up: the
+service turns unhealthy and calls ``on_fatal`` so the entry point can stop consuming and exit
+non-zero. Nothing here ever exits the process."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+from worker.errors import (
+    DeadlineExceeded,
+    EngineFailure,
+    EngineUnavailable,
+    InvalidRequest,
+    WorkerShuttingDown,
+)
+from worker.faults import Fault, StepContext
+
+log = logging.getLogger("batchery.worker.engine")
+
+IDLE_WAIT_S = 1.0  # the idle loop wakes this often just to show it is alive
+SUPERVISOR_TICK_S = 0.1
+
+
+@dataclass
+class GenerationRequest:
+    """What a task asks for. Exactly one of ``messages``, ``prompt``, ``prompt_token_ids``."""
+
+    messages: list[dict] | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling: dict = field(default_factory=dict)  # SamplingParams kwargs; max_tokens None -> fill the context
+    priority: int = 0
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    # per token: {"token", "token_id", "logprob", "top": [{"token", "token_id", "logprob"}, ...]}
+    logprobs: list[dict] | None
+    submitted_at: float  # wall-clock times (time.time()), for latency accounting
+    added_at: float
+    finished_at: float
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    request: GenerationRequest
+    future: Future
+    submitted_at: float
+    added_at: float = 0.0
+
+
+class EngineAbandoned(Exception):
+    """Raised inside an abandoned engine's step so its thread unwinds without touching anything."""
+
+
+class EngineService:
+    """Owns the process's engine. Thread-safe: ``submit``/``abort``/``generate`` from any thread."""
+
+    def __init__(
+        self,
+        config,
+        *,
+        watchdog_timeout: float = 300.0,
+        max_rebuilds: int = 3,
+        faults: list[Fault] | None = None,
+        rebuild_backoff: float = 0.5,
+        on_fatal: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.watchdog_timeout = watchdog_timeout
+        self.max_rebuilds = max_rebuilds
+        self.faults = list(faults or [])
+        self.rebuild_backoff = rebuild_backoff
+        self.on_fatal = on_fatal
+
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)  # wakes the loop thread: new ops or stop
+        self._failed = threading.Event()  # wakes the supervisor: a loop thread reported a failure
+        self._stop = threading.Event()
+        self._inbox: deque = deque()  # ("add", _Pending) | ("abort", request_id)
+        self._pending: dict[str, _Pending] = {}  # submitted, future not yet resolved
+        self._failure: tuple[int, str, BaseException | None] | None = None
+
+        self._engine = None
+        self._loaded = None
+        self._gen = 0  # bumped whenever an engine is abandoned; a loop thread serves exactly one gen
+        self._abandoned: threading.Event = threading.Event()
+        self._loop_thread: threading.Thread | None = None
+        self._supervisor: threading.Thread | None = None
+        self._state = "new"  # new | serving | rebuilding | draining | failed | stopped
+        self._draining = False
+        self._fatal_reason: str | None = None
+
+        self._last_beat = time.monotonic()  # loop progress: a step finished or the loop went round
+        self._last_step_at: float | None = None
+        self._engine_is_rebuild = False
+        self._engine_steps = 0
+        self._failed_rebuilds = 0  # consecutive; reset by a successful step
+        self._token_text: dict[int, str] = {}
+
+        # counters for /stats (process lifetime, across rebuilds)
+        self.num_steps = 0
+        self.num_step_seqs = 0
+        self.num_step_tokens = 0
+        self.num_failures = 0
+        self.num_rebuilds = 0
+        self.num_requests = 0
+        self.num_finished = 0
+        self.num_aborted = 0
+        self.engine_stats: dict = {}
+        self.model_name = ""
+        self.dtype = ""
+        self.num_kv_blocks = 0
+        self.max_model_len = 0
+        self._ids = itertools.count()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Build the first engine (loads the weights; slow) and start the threads. Raises if the
+        first build fails: a worker that cannot load its model must not start consuming."""
+        engine = self._build(None)
+        self._loaded = engine.loaded
+        self.model_name = str(engine.loaded.name)
+        self.dtype = str(engine.loaded.dtype).removeprefix("torch.")
+        with self._lock:
+            self._install(engine, is_rebuild=False)
+        self._supervisor = threading.Thread(target=self._supervise, name="engine-supervisor", daemon=True)
+        self._supervisor.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the threads. In-flight futures fail with ``WorkerShuttingDown``."""
+        with self._lock:
+            self._stop.set()
+            if self._state != "failed":
+                self._state = "stopped"
+            pending = self._take_pending()
+            self._abandoned.set()
+            self._wake.notify_all()
+        self._fail(pending, WorkerShuttingDown("the worker is shutting down; the request will be requeued"))
+        self._failed.set()
+        for t in (self._loop_thread, self._supervisor):
+            if t is not None and t is not threading.current_thread():
+                t.join(timeout)
+
+    def begin_drain(self, grace: float) -> None:
+        """Warm shutdown: refuse new work now; after ``grace`` seconds, fail what is still in flight
+        with ``WorkerShuttingDown`` (its task requeues the message). Safe from a signal handler."""
+        with self._lock:
+            if self._draining:
+                return
+            self._draining = True
+            if self._state == "serving":
+                self._state = "draining"
+        log.warning("draining: no new requests; in-flight requests get %.1f s to finish", grace)
+        timer = threading.Timer(grace, self._end_drain)
+        timer.daemon = True
+        timer.start()
+
+    def _end_drain(self) -> None:
+        with self._lock:
+            pending = self._take_pending()
+            for p in pending:
+                self._inbox.append(("abort", p.request_id))
+            self._wake.notify_all()
+        if pending:
+            log.warning("drain grace over: returning %d unfinished requests to the queue", len(pending))
+        self._fail(pending, WorkerShuttingDown("the worker is shutting down; the request will be requeued"))
+
+    # -- the task-thread API -------------------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> tuple[str, Future]:
+        """Queue a request for the engine. Returns its engine request id and a future that yields a
+        ``GenerationResult`` or raises ``InvalidRequest`` / ``EngineFailure``."""
+        rid = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        p = _Pending(rid, request, Future(), time.time())
+        with self._lock:
+            if self._draining or self._stop.is_set():
+                raise WorkerShuttingDown("the worker is shutting down; the request will be requeued")
+            if self._state == "failed":
+                raise EngineUnavailable(f"the engine is down and could not be rebuilt: {self._fatal_reason}")
+            self._pending[rid] = p
+            self._inbox.append(("add", p))
+            self.num_requests += 1
+            self._wake.notify()
+        return rid, p.future
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request: its future is dropped and the loop frees its KV blocks. False if it had
+        already finished or failed."""
+        with self._lock:
+            p = self._pending.pop(request_id, None)
+            if p is None:
+                return False
+            self._inbox.append(("abort", request_id))
+            self.num_aborted += 1
+            self._wake.notify()
+        return True
+
+    def generate(self, request: GenerationRequest, timeout: float) -> GenerationResult:
+        """Submit and wait up to ``timeout`` seconds. At the deadline the request is aborted in the
+        engine and ``DeadlineExceeded`` is raised."""
+        deadline = time.monotonic() + timeout
+        rid, fut = self.submit(request)
+        try:
+            return fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            if not self.abort(rid) and fut.done():
+                return fut.result()  # finished in the same instant
+            raise DeadlineExceeded(
+                f"deadline of {timeout:g} s exceeded; the request was aborted in the engine"
+            ) from None
+
+    # -- status ------------------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def ready(self) -> bool:
+        return self._state == "serving"
+
+    @property
+    def fatal(self) -> bool:
+        return self._state == "failed"
+
+    @property
+    def fatal_reason(self) -> str | None:
+        return self._fatal_reason
+
+    def health(self) -> dict:
+        """Liveness: the engine loop thread is alive (or being rebuilt) and the last step's age."""
+        now = time.monotonic()
+        loop = self._loop_thread
+        loop_alive = loop is not None and loop.is_alive()
+        state = self._state
+        healthy = state in ("serving", "draining") and loop_alive or state == "rebuilding"
+        return {
+            "healthy": bool(healthy),
+            "state": state,
+            "loop_alive": loop_alive,
+            "last_step_age_s": None if self._last_step_at is None else round(now - self._last_step_at, 3),
+            "last_loop_beat_age_s": round(now - self._last_beat, 3),
+            "num_pending": len(self._pending),
+            "fatal_reason": self._fatal_reason,
+        }
+
+    def stats(self) -> dict:
+        """Counters for the worker stats endpoint. ``mean_batch_size`` is over this process's
+        lifetime; diff ``num_steps`` / ``num_step_seqs`` for a window."""
+        steps = max(self.num_steps, 1)
+        return {
+            "model": self.model_name,
+            "dtype": self.dtype,
+            "num_kv_blocks": self.num_kv_blocks,
+            "max_model_len": self.max_model_len,
+            "state": self._state,
+            "num_pending": len(self._pending),
+            "num_requests": self.num_requests,
+            "num_finished": self.num_finished,
+            "num_aborted": self.num_aborted,
+            "num_steps": self.num_steps,
+            "num_step_seqs": self.num_step_seqs,
+            "num_step_tokens": self.num_step_tokens,
+            "mean_batch_size": self.num_step_seqs / steps,
+            "num_failures": self.num_failures,
+            "num_rebuilds": self.num_rebuilds,
+            "engine": dict(self.engine_stats),
+        }
+
+    # -- engine construction -----------------------------------------------------------------
+    def _build(self, loaded):
+        from engine.llm_engine import LLMEngine  # heavy; only the worker process pays for it
+
+        return LLMEngine(self.config, loaded=loaded)
+
+    def _install(self, engine, is_rebuild: bool) -> None:
+        """Make ``engine`` current and start its loop thread. Caller holds the lock."""
+        gen = self._gen
+        abandoned = threading.Event()
+        engine.on_step_start = self._make_step_hook(gen, engine, abandoned)
+        self._engine = engine
+        self._abandoned = abandoned
+        self._engine_is_rebuild = is_rebuild
+        self._engine_steps = 0
+        self.num_kv_blocks = engine.num_kv_blocks
+        self.max_model_len = engine.max_model_len
+        self.engine_stats = engine.stats()
+        self._last_beat = time.monotonic()
+        if not self._draining:
+            self._state = "serving"
+        else:
+            self._state = "draining"
+        t = threading.Thread(target=self._loop, args=(gen, engine, abandoned), name=f"engine-loop-{gen}",
+                             daemon=True)
+        self._loop_thread = t
+        t.start()
+
+    def _make_step_hook(self, gen: int, engine, abandoned: threading.Event):
+        def on_step_start(seqs) -> None:
+            if abandoned.is_set():
+                raise EngineAbandoned()
+            self.num_steps += 1
+            self.num_step_seqs += len(seqs)
+            if self.faults:
+                ctx = StepContext(step=self.num_steps, seqs=seqs, engine=engine, abandoned=abandoned)
+                for f in self.faults:
+                    f.before_step(ctx)
+            if abandoned.is_set():  # a hang outlived the watchdog: do not run the forward pass
+                raise EngineAbandoned()
+
+        return on_step_start
+
+    # -- the loop thread -----------------------------------------------------------------------
+    def _loop(self, gen: int, engine, abandoned: threading.Event) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if abandoned.is_set() or self._stop.is_set():
+                        return
+                    ops = list(self._inbox)
+                    self._inbox.clear()
+                    if not ops and not engine.has_unfinished():
+                        self._last_beat = time.monotonic()
+                        self._wake.wait(IDLE_WAIT_S)
+                        continue
+                self._apply(engine, ops)
+                self._last_beat = time.monotonic()
+                if not engine.has_unfinished():
+                    self.engine_stats = engine.stats()
+                    continue
+                outputs = engine.step()
+                if abandoned.is_set():
+                    return  # the supervisor gave up on this engine; its results are void
+                now = time.monotonic()
+                self._last_beat = self._last_step_at = now
+                self._engine_steps += 1
+                self._failed_rebuilds = 0
+                self.num_step_tokens += engine.last_step_num_tokens
+                self.engine_stats = engine.stats()
+                if outputs:
+                    self._resolve(engine, outputs)
+        except EngineAbandoned:
+            log.info("abandoned engine loop %d exited", gen)
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the supervisor
+            if abandoned.is_set():
+                log.info("abandoned engine loop %d exited with %r", gen, exc)
+                return
+            with self._lock:
+                if self._failure is None:
+                    self._failure = (gen, f"the engine loop raised {type(exc).__name__}", exc)
+            self._failed.set()
+
+    def _apply(self, engine, ops: list) -> None:
+        """Apply queued adds and aborts. Loop thread only."""
+        from engine.sampling import SamplingParams
+
+        for op, arg in ops:
+            if op == "abort":
+                engine.abort(arg)
+                continue
+            p: _Pending = arg
+            if p.request_id not in self._pending:  # aborted or failed before it reached the engine
+                continue
+            req = p.request
+            try:
+                if req.messages is not None:
+                    ids = engine.encode_chat(req.messages)
+                elif req.prompt is not None:
+                    ids = engine.encode(req.prompt)
+                else:
+                    ids = list(req.prompt_token_ids or [])
+            except Exception as exc:  # noqa: BLE001 - a template or tokenizer error is the request's fault
+                self._reject(p, InvalidRequest(f"could not tokenize the request: {exc}"))
+                continue
+            kwargs = dict(req.sampling)
+            if kwargs.get("max_tokens") is None:
+                room = engine.max_model_len - len(ids)
+                kwargs["max_tokens"] = max(room, 1)
+            try:
+                params = SamplingParams(**kwargs)
+                p.added_at = time.time()
+                engine.add_request(p.request_id, ids, params, priority=req.priority)
+            except (ValueError, TypeError) as exc:
+                self._reject(p, InvalidRequest(str(exc)))
+                continue
+            with self._lock:
+                if p.request_id not in self._pending:  # aborted while we tokenized
+                    engine.abort(p.request_id)
+
+    def _reject(self, p: _Pending, exc: Exception) -> None:
+        with self._lock:
+            if self._pending.pop(p.request_id, None) is None:
+                return
+        p.future.set_exception(exc)
+
+    def _resolve(self, engine, outputs) -> None:
+        now = time.time()
+        for out in outputs:
+            with self._lock:
+                p = self._pending.pop(out.request_id, None)
+            if p is None:
+                continue  # aborted at its deadline
+            if out.finish_reason == "error":
+                p.future.set_exception(EngineFailure(f"the engine failed this request: {out.error}"))
+                continue
+            self.num_finished += 1
+            p.future.set_result(GenerationResult(
+                request_id=out.request_id,
+                text=out.text,
+                token_ids=list(out.token_ids),
+                finish_reason=out.finish_reason or "stop",
+                num_prompt_tokens=len(out.prompt_token_ids),
+                num_cached_tokens=out.num_cached_tokens,
+                logprobs=self._render_logprobs(engine, out.logprobs),
+                submitted_at=p.submitted_at,
+                added_at=p.added_at,
+                finished_at=now,
+            ))
+
+    def _token(self, engine, token_id: int) -> str:
+        s = self._token_text.get(token_id)
+        if s is None:
+            s = engine.tokenizer.decode([token_id])
+            if len(self._token_text) < 1 << 18:
+                self._token_text[token_id] = s
+        return s
+
+    def _render_logprobs(self, engine, entries) -> list[dict] | None:
+        if entries is None:
+            return None
+        out = []
+        for e in entries:
+            tid = int(e["token_id"])
+            out.append({
+                "token": self._token(engine, tid),
+                "token_id": tid,
+                "logprob": float(e["logprob"]),
+                "top": [{"token": self._token(engine, int(i)), "token_id": int(i), "logprob": float(lp)}
+                        for i, lp in (e.get("top") or [])],
+            })
+        return out
+
+    # -- the supervisor ------------------------------------------------------------------------
+    def _supervise(self) -> None:
+        while not self._stop.is_set():
+            self._failed.wait(SUPERVISOR_TICK_S)
+            if self._stop.is_set():
+                return
+            with self._lock:
+                self._failed.clear()
+                failure, self._failure = self._failure, None
+                if failure is None and self._state in ("serving", "draining") and self._pending:
+                    quiet = time.monotonic() - self._last_beat
+                    if quiet > self.watchdog_timeout:
+                        failure = (self._gen, f"the watchdog fired: {len(self._pending)} requests pending and "
+                                              f"no engine step finished for {quiet:.1f} s "
+                                              f"(limit {self.watchdog_timeout:g} s)", None)
+            if failure is not None:
+                try:
+                    self._handle_failure(*failure)
+                except Exception:  # noqa: BLE001 - the supervisor must survive its own bugs
+                    log.exception("engine supervisor error")
+
+    def _take_pending(self) -> list[_Pending]:
+        """Empty the pending set and the inbox. Caller holds the lock."""
+        pending = list(self._pending.values())
+        self._pending.clear()
+        self._inbox.clear()
+        return pending
+
+    @staticmethod
+    def _fail(pending: list[_Pending], exc: Exception) -> None:
+        for p in pending:
+            if not p.future.done():
+                p.future.set_exception(exc)
+
+    def _handle_failure(self, gen: int, reason: str, exc: BaseException | None) -> None:
+        with self._lock:
+            if gen != self._gen or self._state in ("failed", "stopped"):
+                return  # already handled
+            self._gen += 1
+            self._abandoned.set()  # the old loop thread, if it ever returns, touches nothing
+            old_was_rebuild = self._engine_is_rebuild and self._engine_steps == 0
+            self._engine = None
+            self._state = "rebuilding"
+            pending = self._take_pending()
+            self.num_failures += 1
+        tb = "".join(traceback.format_exception(exc)) if exc is not None else "(no exception: the step hung)"
+        log.error("engine failure: %s; failing %d in-flight requests with a retryable EngineFailure and "
+                  "rebuilding the engine\n%s", reason, len(pending), tb.rstrip())
+        self._fail(pending, EngineFailure(f"engine failure ({reason}); the request will be retried"))
+        if old_was_rebuild:
+            self._failed_rebuilds += 1  # rebuilt, but failed before completing a single step
+        self._rebuild(reason)
+
+    def _rebuild(self, reason: str) -> None:
+        attempt = 0
+        while not self._stop.is_set():
+            if self._failed_rebuilds >= self.max_rebuilds:
+                self._give_up(f"{self._failed_rebuilds} consecutive engine rebuilds failed (last failure: {reason})")
+                return
+            attempt += 1
+            # reuse the weights first; if that does not hold, reload them from disk
+            loaded = self._loaded if attempt == 1 else None
+            t0 = time.monotonic()
+            try:
+                for f in self.faults:
+                    f.before_rebuild(attempt)
+                engine = self._build(loaded)
+            except Exception as exc:  # noqa: BLE001
+                self._failed_rebuilds += 1
+                reason = f"rebuild attempt {attempt} raised {exc!r}"
+                log.error("engine rebuild attempt %d failed (%d/%d consecutive)", attempt,
+                          self._failed_rebuilds, self.max_rebuilds, exc_info=True)
+                self._stop.wait(self.rebuild_backoff * attempt)
+                continue
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                self._loaded = engine.loaded
+                self.num_rebuilds += 1
+                self._install(engine, is_rebuild=True)
+            log.warning("engine restarted: rebuild %d (attempt %d, %s weights) took %.2f s; serving again",
+                        self.num_rebuilds, attempt, "reused" if loaded is not None else "reloaded",
+                        time.monotonic() - t0)
+            return
+
+    def _give_up(self, reason: str) -> None:
+        with self._lock:
+            self._state = "failed"
+            self._fatal_reason = reason
+            pending = self._take_pending()
+        log.critical("engine cannot be rebuilt: %s; the worker stops consuming and exits non-zero", reason)
+        self._fail(pending, EngineUnavailable(f"the engine is down: {reason}"))
+        if self.on_fatal is not None:
+            try:
+                self.on_fatal(reason)
+            except Exception:  # noqa: BLE001
+                log.exception("on_fatal callback failed")

@@ -1,0 +1,53 @@
+"""Errors that cross the queue. They travel through the JSON result backend as
+``(module, type, args)`` and are rebuilt on the client, so each takes exactly one message string.
+
+Light on purpose: the client imports this module."""
+
+from __future__ import annotations
+
+
+class BatcheryError(Exception):
+    """Base for every error a Batchery task reports."""
+
+    retryable = False
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidRequest(BatcheryError):
+    """The request body (or the prompt it yields) is invalid. Never retried."""
+
+
+class DeadlineExceeded(BatcheryError):
+    """The task's deadline passed; the request was aborted in the engine. Not retried."""
+
+
+class EngineFailure(BatcheryError):
+    """The engine failed (step raised, watchdog fired, or it is being rebuilt). Retryable; once the
+    retries are spent, this is what the client sees."""
+
+    retryable = True
+
+
+class EngineUnavailable(EngineFailure):
+    """The worker's engine is not serving (rebuilding, given up, or shutting down)."""
+
+
+class WorkerShuttingDown(EngineUnavailable):
+    """The worker is in warm shutdown; the task puts its message back on the queue."""
+
+
+class TaskExpired(BatcheryError):
+    """The task's ``expires`` passed before a worker started it (client side)."""
+
+
+class ResultTimeout(BatcheryError, TimeoutError):
+    """The client gave up waiting for the result (``get(timeout=...)``); the task may still run."""

@@ -1,0 +1,130 @@
+"""``batchery worker``: load the model, then consume the model's queue until told to stop.
+
+Exit codes: 0 after a warm shutdown (SIGTERM/SIGINT); 2 for bad configuration; 3 when the model
+cannot be loaded or the engine cannot be rebuilt (the orchestrator restarts the worker, and the
+unfinished messages have gone back to the queue)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+
+from worker.settings import Settings, mask_url
+
+log = logging.getLogger("batchery.worker")
+
+EXIT_OK = 0
+EXIT_CONFIG = 2
+EXIT_ENGINE_DEAD = 3
+
+LOG_FORMAT = "%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s"
+
+
+def configure_logging(level: str) -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        root.addHandler(handler)
+    root.setLevel(level.upper())
+
+
+def run_worker(settings: Settings | None = None) -> int:
+    """Run a worker in this process (blocking). Returns the process exit code."""
+    from celery import signals
+
+    from worker.app import make_app
+    from worker.engine_service import EngineService
+    from worker.faults import parse_faults
+    from worker.health import HealthServer
+
+    try:
+        settings = settings or Settings()
+        faults = parse_faults(settings.faults)
+        engine_config = settings.engine_config()
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        configure_logging("INFO")
+        log.critical("invalid configuration: %s", exc)
+        return EXIT_CONFIG
+    configure_logging(settings.log_level)
+    log.info("starting worker: model=%s queue=%s broker=%s backend=%s threads=%d faults=%s", settings.model,
+             settings.queue, mask_url(settings.broker_url), mask_url(settings.result_backend),
+             settings.num_task_threads, settings.faults or "none")
+
+    app = make_app(settings)
+    fatal = threading.Event()
+
+    def on_fatal(reason: str) -> None:
+        # Runs on the supervisor thread. It must not exit the process: it asks the main thread for a
+        # warm shutdown, which stops consuming and hands unfinished messages back to the queue.
+        fatal.set()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    service = EngineService(engine_config, watchdog_timeout=settings.watchdog_timeout,
+                            max_rebuilds=settings.max_rebuilds, faults=faults, on_fatal=on_fatal)
+    try:
+        service.start()  # loads the weights before a single message is taken
+    except Exception:  # noqa: BLE001
+        log.critical("could not load model %s; not consuming", settings.model, exc_info=True)
+        return EXIT_ENGINE_DEAD
+    app.batchery_service = service
+
+    health = None
+    if settings.health_port:
+        health = HealthServer(service, settings.health_host, settings.health_port)
+        try:
+            health.start()
+        except OSError as exc:
+            log.critical("cannot serve health endpoints on %s:%d: %s", settings.health_host, settings.health_port, exc)
+            service.stop()
+            return EXIT_CONFIG
+
+    def on_ready(sender=None, **kwargs) -> None:
+        if health is not None:
+            health.consuming = True
+        log.info("batchery worker ready: model=%s dtype=%s kv_blocks=%d max_model_len=%d queue=%s threads=%d",
+                 settings.model, service.dtype, service.num_kv_blocks, service.max_model_len, settings.queue,
+                 settings.num_task_threads)
+
+    def on_shutting_down(sig=None, how=None, exitcode=None, **kwargs) -> None:
+        # Called in the main thread's signal handler: flag only, no blocking work.
+        if health is not None:
+            health.consuming = False
+        service.begin_drain(settings.shutdown_grace)
+
+    signals.worker_ready.connect(on_ready, weak=False)
+    signals.worker_shutting_down.connect(on_shutting_down, weak=False)
+    hostname = settings.hostname or f"batchery-{os.getpid()}@{socket.gethostname()}"
+    worker = app.Worker(
+        hostname=hostname,
+        queues=[settings.queue],
+        pool="threads",
+        concurrency=settings.num_task_threads,
+        loglevel=settings.log_level.upper(),
+        without_mingle=True,
+        without_gossip=True,
+        without_heartbeat=True,
+        quiet=True,
+    )
+    try:
+        worker.start()
+        exitcode = worker.exitcode or EXIT_OK
+    finally:
+        signals.worker_ready.disconnect(on_ready)
+        signals.worker_shutting_down.disconnect(on_shutting_down)
+        service.stop()
+        if health is not None:
+            health.stop()
+    if fatal.is_set() or service.fatal:
+        log.critical("worker exiting with code %d: %s", EXIT_ENGINE_DEAD, service.fatal_reason)
+        return EXIT_ENGINE_DEAD
+    log.info("worker stopped (exit %d)", exitcode)
+    return int(exitcode)
+
+
+if __name__ == "__main__":
+    sys.exit(run_worker())
