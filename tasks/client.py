@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from datetime import datetime
 from collections.abc import Iterable
 
 from celery.exceptions import TaskRevokedError
@@ -120,7 +121,7 @@ class Client:
         self.close()
 
     # -- single requests ------------------------------------------------------------------------
-    def chat(self, messages: list[dict], *, timeout: float | None = None, expires: float | None = None,
+    def chat(self, messages: list[dict], *, timeout: float | None = None, expires: float | datetime | None = None,
              **params) -> Handle:
         """Enqueue a chat completion. ``params`` are the OpenAI body fields (max_tokens, temperature,
         ...); ``timeout`` is the task's deadline in seconds; ``expires`` drops the task if no worker
@@ -128,7 +129,8 @@ class Client:
         return self._send(CHAT_TASK, ChatCompletionRequest, ChatCompletion, {"messages": messages, **params},
                           timeout, expires)
 
-    def complete(self, prompt: str | list[int], *, timeout: float | None = None, expires: float | None = None,
+    def complete(self, prompt: str | list[int], *, timeout: float | None = None,
+                 expires: float | datetime | None = None,
                  **params) -> Handle:
         """Enqueue a (legacy) completion of ``prompt`` (text or token ids)."""
         return self._send(COMPLETION_TASK, CompletionRequest, Completion, {"prompt": prompt, **params},
@@ -136,14 +138,14 @@ class Client:
 
     # -- bulk -----------------------------------------------------------------------------------
     def chat_many(self, conversations: Iterable[list[dict]], *, timeout: float | None = None,
-                  expires: float | None = None, **params) -> list[Handle]:
+                  expires: float | datetime | None = None, **params) -> list[Handle]:
         """Enqueue many chat completions over one broker connection. All are validated first, so
         either every request is enqueued or none is."""
         bodies = [{"messages": m, **params} for m in conversations]
         return self._send_many(CHAT_TASK, ChatCompletionRequest, ChatCompletion, bodies, timeout, expires)
 
     def complete_many(self, prompts: Iterable[str | list[int]], *, timeout: float | None = None,
-                      expires: float | None = None, **params) -> list[Handle]:
+                      expires: float | datetime | None = None, **params) -> list[Handle]:
         bodies = [{"prompt": p, **params} for p in prompts]
         return self._send_many(COMPLETION_TASK, CompletionRequest, Completion, bodies, timeout, expires)
 
