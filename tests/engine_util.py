@@ -27,8 +27,10 @@ CHAT_PROMPTS = [
 ]
 
 
-def hf_greedy(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = True) -> list[int]:
-    """Hugging Face ``generate`` on one prompt alone, greedy, with transformers' own attention."""
+def hf_greedy(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = True,
+              with_logprobs: bool = False):
+    """Hugging Face ``generate`` on one prompt alone, greedy, with transformers' own attention.
+    Returns the new token ids, and with ``with_logprobs`` also each one's log-probability."""
     model = loaded.model
     previous = model.config._attn_implementation
     model.set_attn_implementation("sdpa" if not getattr(model.config, "attn_logit_softcapping", None) else "eager")
@@ -38,8 +40,12 @@ def hf_greedy(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens: int, i
         if ignore_eos:
             kwargs.update(min_new_tokens=max_new_tokens)
         with torch.inference_mode():
-            out = model.generate(ids, **kwargs, pad_token_id=0)
-        return out[0, len(prompt_ids):].tolist()
+            out = model.generate(ids, **kwargs, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+        new = out.sequences[0, len(prompt_ids):].tolist()
+        if not with_logprobs:
+            return new
+        lps = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, new)]
+        return new, lps
     finally:
         if previous == ATTN_IMPLEMENTATION:
             model.set_attn_implementation(previous)
