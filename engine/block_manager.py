@@ -58,7 +58,6 @@ class BlockManager:
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs
         parent = None
-        hits = 0
         if self.enable_prefix_caching:
             for i in range(max_blocks):
                 h = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
@@ -67,9 +66,9 @@ class BlockManager:
                     break
                 self._take(block)
                 seq.block_table.append(block)
+                seq.block_hashes.append(h)
                 parent = h
-                hits += 1
-        seq.num_hashed_blocks = hits
+        hits = len(seq.block_hashes)
         seq.num_computed_tokens = hits * bs
         seq.num_cached_tokens = hits * bs
 
@@ -79,22 +78,16 @@ class BlockManager:
             return
         bs = self.block_size
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
-        i = seq.num_hashed_blocks
-        if i >= num_full:
-            return
-        parent = self.block_hash[seq.block_table[i - 1]] if i > 0 else None
-        for i in range(seq.num_hashed_blocks, num_full):
-            block = seq.block_table[i]
+        for i in range(len(seq.block_hashes), num_full):
+            parent = seq.block_hashes[i - 1] if i > 0 else None
             h = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            block = seq.block_table[i]
+            # When the same content was computed twice at once, the first copy stays published and
+            # this block stays anonymous; the chain still continues from ``h``.
             if self.block_hash[block] is None and h not in self.hash_to_block:
                 self.block_hash[block] = h
                 self.hash_to_block[h] = block
-            elif self.block_hash[block] is None:
-                # Same content computed twice concurrently; keep the first, leave this one anonymous
-                # but chain on the hash so later blocks still match.
-                pass
-            parent = h
-        seq.num_hashed_blocks = num_full
+            seq.block_hashes.append(h)
 
     # -- allocation ------------------------------------------------------------------------
     def _take(self, block: int) -> None:
@@ -128,5 +121,5 @@ class BlockManager:
                 else:
                     self.free[block] = None  # most recently freed cached block is evicted last
         seq.block_table = []
-        seq.num_hashed_blocks = 0
+        seq.block_hashes = []
         seq.num_computed_tokens = 0

@@ -8,6 +8,7 @@ through the LM head (``logits_to_keep``)."""
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -84,6 +85,8 @@ class ModelRunner:
         want = self.config.attention_backend
         if want == "torch" or (want == "auto" and self.device.type != "cuda"):
             return "torch"
+        if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("attention_backend='triton' on the CPU needs TRITON_INTERPRET=1 (set before start)")
         try:
             import triton  # noqa: F401
 
@@ -119,7 +122,7 @@ class ModelRunner:
                 decode_tables.append(table)
                 decode_lens.append(end)
             else:
-                prefills.append((q_start, n, end, table if start > 0 else None))
+                prefills.append((q_start, n, end, table, start > 0))
             if end == seq.num_tokens:  # the whole sequence is computed: sample its next token
                 logits_idx.append(q_start + n - 1)
                 sample_seqs.append(seq)
@@ -138,13 +141,14 @@ class ModelRunner:
             md.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
                                                   dtype=torch.long, device=dev)
             md.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
-        for q_start, n, ctx, table in prefills:
-            bt = None if table is None else torch.tensor(table[: -(-ctx // bs)], dtype=torch.long, device=dev)
-            md.prefills.append(PrefillSeq(q_start, n, ctx, bt))
-        if self.backend == "triton" and prefills:
+        if self.backend == "triton":
             from engine.attention import triton_backend
 
-            triton_backend.add_prefill_metadata(md, prefills, bs, dev)
+            triton_backend.add_metadata(md, [(n, ctx, table) for _, n, ctx, table, _ in prefills], dev)
+        else:
+            for q_start, n, ctx, table, has_prefix in prefills:
+                bt = torch.tensor(table[: -(-ctx // bs)], dtype=torch.long, device=dev) if has_prefix else None
+                md.prefills.append(PrefillSeq(q_start, n, ctx, bt))
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)[None]
         pos = torch.tensor(positions, dtype=torch.long, device=dev)[None]
         keep = torch.tensor(logits_idx, dtype=torch.long, device=dev)

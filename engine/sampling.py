@@ -30,15 +30,37 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        elif self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self._check()
+        self.temperature = float(self.temperature)
 
     def _check(self) -> None:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                bad(name, "must be a number")
+        for name in ("max_tokens", "top_k", "min_tokens"):
+            if not is_int(getattr(self, name)):
+                bad(name, "must be an integer")
+        if not isinstance(self.stop, list):
+            bad("stop", "must be a string or a list of strings")
+        if not isinstance(self.stop_token_ids, list):
+            bad("stop_token_ids", "must be a list of integers")
 
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
@@ -60,11 +82,11 @@ class SamplingParams:
             bad("seed", "must be an integer or None")
         if len(self.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", f"must be up to {MAX_STOP_STRINGS} non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             bad("min_tokens", "must be an integer >= 0")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
 
     @property

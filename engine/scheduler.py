@@ -68,8 +68,14 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
             while not bm.can_allocate(seq, n):
-                # Out of blocks: preempt the lowest-priority, newest sequence not yet scheduled.
-                victim = max(self.running[i:], key=Sequence.sort_key)
+                # Out of blocks: preempt the lowest-priority, newest running sequence, even one
+                # already scheduled this step (it is taken back out of the step).
+                victim = max(self.running, key=Sequence.sort_key)
+                if self.running.index(victim) < i:
+                    k = out.seqs.index(victim)
+                    budget += out.num_new_tokens.pop(k)
+                    out.seqs.pop(k)
+                    i -= 1
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is seq:
@@ -80,8 +86,7 @@ class Scheduler:
                 out.num_new_tokens.append(n)
                 budget -= n
                 i += 1
-                continue
-            # seq itself was preempted; the list shifted, so index i now holds the next one
+            # when seq itself was preempted the list shifted, so index i now holds the next one
 
         # 2. Waiting sequences, in priority/FCFS order, while budget, slots and blocks allow.
         if out.num_preempted:

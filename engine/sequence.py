@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.sampling import SamplingParams
 
@@ -51,7 +51,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache (first schedule)
         self.block_table: list[int] = []
-        self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
+        self.block_hashes: list[int] = []  # chained hashes of the leading full, computed blocks
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
@@ -69,6 +69,10 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_hashed_blocks(self) -> int:
+        return len(self.block_hashes)
 
     @property
     def num_output_tokens(self) -> int:

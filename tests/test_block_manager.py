@@ -245,12 +245,6 @@ def test_duplicate_content_computed_concurrently_keeps_one_copy_in_the_cache():
     assert probe_hits(bm, prompt) == 8
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG engine/block_manager.py register_full_blocks: when a sequence's earlier full block was "
-    "left anonymous (its content was already cached by another block), a later call chains on "
-    "block_hash[table[i-1]] == None, so the next full block is registered as if it started a "
-    "sequence (parent None); a new prompt that begins with that block's tokens then reuses K/V "
-    "computed at other positions and context"))
 def test_blocks_after_a_duplicate_block_keep_their_chained_hash():
     bm = BlockManager(16, BS)
     prompt = list(range(10, 18))  # exactly two blocks

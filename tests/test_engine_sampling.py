@@ -415,10 +415,6 @@ def test_invalid_sampling_params_raise_value_error_naming_the_field(field, value
         SamplingParams(**{field: value})
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "minor BUG engine/sampling.py SamplingParams._check: a value of the wrong type for a float "
-    "field (or a non-list stop / stop_token_ids) raises TypeError from a comparison or list(), "
-    "not the documented ValueError naming the field (the worker catches TypeError too)"))
 @pytest.mark.parametrize("field,value", [("temperature", "0.5"), ("top_p", None), ("min_p", "x"),
                                          ("stop", 5), ("stop_token_ids", 5)])
 def test_wrongly_typed_sampling_params_raise_value_error_naming_the_field(field, value):
@@ -502,11 +498,6 @@ def test_llm_generate_fails_only_the_too_long_prompt(tiny_model_dir):
 
 # -- prefix cache correctness ------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG engine/block_manager.py register_full_blocks: after a re-run of an identical prompt whose "
-    "length is a multiple of block_size, the recomputed last prompt block stays anonymous and the "
-    "next full block (generated tokens) is registered with parent hash None; a new prompt starting "
-    "with those tokens gets a prefix-cache hit on K/V from another position and context"))
 def test_prefix_cache_never_serves_kv_of_another_prefix(tiny_model_dir, loaded, engine):
     cfg = dict(model=str(tiny_model_dir), dtype="float32", block_size=4, num_kv_blocks=64)
     eng = LLMEngine(EngineConfig(**cfg), loaded=loaded)

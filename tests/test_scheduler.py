@@ -300,10 +300,6 @@ def test_preemption_picks_the_lowest_priority_not_the_newest():
     sim.assert_pool_full()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG engine/scheduler.py schedule(): the preemption victim is chosen only among running "
-    "sequences not yet scheduled this step (self.running[i:]); a lower-priority sequence admitted "
-    "earlier keeps running while a higher-priority one is preempted (priority inversion)"))
 def test_preemption_never_evicts_a_higher_priority_sequence_for_a_lower_one():
     sim = Sim(8, max_num_seqs=8, block_size=8)
     sim.add("low", [1, 2, 3], max_tokens=20, priority=9)  # alone, so it is admitted first
@@ -478,10 +474,6 @@ def test_random_workloads_without_prefix_caching(reqs, num_blocks, block_size, m
     simulate(reqs, num_blocks, block_size, max_num_seqs, budget, False, abort_at)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG engine/block_manager.py register_full_blocks chains on None after an anonymous duplicate "
-    "block (see test_block_manager.test_blocks_after_a_duplicate_block_keep_their_chained_hash): "
-    "sequences get prefix-cache hits on K/V written for another prefix"))
 @settings(max_examples=300, deadline=None, derandomize=True, database=None,
           phases=[Phase.explicit, Phase.generate], suppress_health_check=[HealthCheck.too_slow])
 @given(**sim_args)

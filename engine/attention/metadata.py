@@ -31,6 +31,7 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: torch.Tensor | None = None  # [num_prefills + 1] int32
     prefill_context_lens: torch.Tensor | None = None  # [num_prefills] int32
     prefill_block_tables: torch.Tensor | None = None  # [num_prefills, max_blocks] int32
+    prefill_max_q: int = 0
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     backend: str = "torch"  # "torch" | "triton"
 

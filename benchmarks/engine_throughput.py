@@ -1,0 +1,118 @@
+"""Engine throughput on the reference workload, against HF static batching, in one run.
+
+    python benchmarks/engine_throughput.py [--model smollm2-135m-instruct] [--dtype float32,bfloat16]
+
+Prints, per dtype: generated tokens/s of the engine and of HF static batching (batches of 16, left
+padding, ``generate`` with min and max new tokens set to the largest in the batch), their ratio,
+and the roofline efficiency: the engine's total-token throughput (prompt + generated tokens per
+second) divided by the raw model's forward throughput on one 256-token packed input.
+Both sides count the same useful tokens: each request's own max_tokens."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workload import reference_requests  # noqa: E402
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.loader import load_model  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+
+
+def run_engine(loaded, prompts, max_tokens, dtype, **kw) -> tuple[float, dict]:
+    eng = LLMEngine(EngineConfig(model=loaded.name, dtype=dtype, **kw), loaded=loaded)
+    # warm-up on an unrelated prompt so one-time costs (allocator, oneDNN kernels) are not timed
+    eng.add_request("warm", eng.encode("hello world " * 40), SamplingParams(max_tokens=4, temperature=0))
+    while eng.has_unfinished():
+        eng.step()
+    eng.block_manager.hash_to_block.clear()  # start the timed run with a cold prefix cache
+    eng.block_manager.block_hash = [None] * eng.num_kv_blocks
+    t0 = time.perf_counter()
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+    n_out = 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            n_out += len(o.token_ids)
+    return time.perf_counter() - t0, eng.stats() | {"generated": n_out}
+
+
+@torch.inference_mode()
+def run_hf_static(loaded, prompts, max_tokens, batch_size=16) -> float:
+    model, tok = loaded.model, loaded.tokenizer
+    model.set_attn_implementation("sdpa")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    t0 = time.perf_counter()
+    for b in range(0, len(prompts), batch_size):
+        batch, mts = prompts[b : b + batch_size], max_tokens[b : b + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=loaded.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=loaded.device)
+        n = max(mts)
+        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                       pad_token_id=pad)
+    return time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def raw_forward_tps(loaded, n_tokens=256, reps=5) -> float:
+    model = loaded.model
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(100, 1000, (1, n_tokens), device=loaded.device)
+    model(input_ids=ids, use_cache=False)  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        model(input_ids=ids, use_cache=False)
+    return n_tokens * reps / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="float32,bfloat16")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpu {torch.backends.cpu.get_cpu_capability()}")
+    reqs = reference_requests(args.requests, seed=0)
+    for dtype in args.dtype.split(","):
+        loaded = load_model(EngineConfig(model=args.model, dtype=dtype))
+        tmp = LLMEngine.__new__(LLMEngine)
+        tmp.tokenizer = loaded.tokenizer
+        prompts = [LLMEngine.encode_chat(tmp, m) for m, _ in reqs]
+        max_tokens = [m for _, m in reqs]
+        kw = {}
+        if args.max_num_batched_tokens:
+            kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+        if args.max_num_seqs:
+            kw["max_num_seqs"] = args.max_num_seqs
+        useful = sum(max_tokens)
+        total = useful + sum(len(p) for p in prompts)
+        t_eng, st = run_engine(loaded, prompts, max_tokens, dtype, **kw)
+        assert st["generated"] == useful, (st["generated"], useful)
+        roof = raw_forward_tps(loaded)
+        eng_tps = useful / t_eng
+        print(f"\n[{dtype}] {len(prompts)} requests, {sum(len(p) for p in prompts)} prompt tokens, {useful} generated")
+        print(f"  engine            {eng_tps:8.1f} generated tok/s  ({t_eng:.2f} s, {st['num_steps']} steps, "
+              f"mean batch {st['mean_batch_size']:.1f} seqs / {st['mean_batch_tokens']:.0f} tokens, "
+              f"prefix hits {st['prefix_cache_hit_tokens']} tokens, preemptions {st['num_preemptions']})")
+        if not args.skip_hf:
+            t_hf = run_hf_static(loaded, prompts, max_tokens)
+            print(f"  HF static (bs16)  {useful / t_hf:8.1f} generated tok/s  ({t_hf:.2f} s)")
+            print(f"  ratio engine/HF   {t_hf / t_eng:8.2f}x")
+        print(f"  raw forward (256) {roof:8.1f} tok/s")
+        print(f"  engine total      {total / t_eng:8.1f} tok/s -> roofline {100 * total / t_eng / roof:.1f}%")
+        del loaded
+
+
+if __name__ == "__main__":
+    main()
