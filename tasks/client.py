@@ -137,16 +137,18 @@ class Client:
                           timeout, expires)
 
     # -- bulk -----------------------------------------------------------------------------------
-    def chat_many(self, conversations: Iterable[list[dict]], *, timeout: float | None = None,
+    def chat_many(self, conversations: Iterable[list[dict] | dict], *, timeout: float | None = None,
                   expires: float | datetime | None = None, **params) -> list[Handle]:
-        """Enqueue many chat completions over one broker connection. All are validated first, so
-        either every request is enqueued or none is."""
-        bodies = [{"messages": m, **params} for m in conversations]
+        """Enqueue many chat completions over one broker connection. Each item is a message list,
+        or a body dict (``{"messages": ..., "max_tokens": ...}``) whose fields override ``params``.
+        All are validated first, so either every request is enqueued or none is."""
+        bodies = [{**params, **c} if isinstance(c, dict) else {**params, "messages": c} for c in conversations]
         return self._send_many(CHAT_TASK, ChatCompletionRequest, ChatCompletion, bodies, timeout, expires)
 
-    def complete_many(self, prompts: Iterable[str | list[int]], *, timeout: float | None = None,
+    def complete_many(self, prompts: Iterable[str | list[int] | dict], *, timeout: float | None = None,
                       expires: float | datetime | None = None, **params) -> list[Handle]:
-        bodies = [{"prompt": p, **params} for p in prompts]
+        """Like ``chat_many``; each item is a prompt or a body dict with ``"prompt"``."""
+        bodies = [{**params, **p} if isinstance(p, dict) else {**params, "prompt": p} for p in prompts]
         return self._send_many(COMPLETION_TASK, CompletionRequest, Completion, bodies, timeout, expires)
 
     # -- internals ------------------------------------------------------------------------------

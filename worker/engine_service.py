@@ -15,8 +15,11 @@ non-zero. Nothing here ever exits the process."""
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import itertools
 import logging
+import sys
 import threading
 import time
 import traceback
@@ -119,7 +122,7 @@ class EngineService:
         self._draining = False
         self._fatal_reason: str | None = None
 
-        self._last_beat = time.monotonic()  # loop progress: a step finished or the loop went round
+        self._last_beat = time.monotonic()  # loop progress: a step ran, or the loop idled with no work
         self._last_step_at: float | None = None
         self._engine_is_rebuild = False
         self._engine_steps = 0
@@ -298,7 +301,12 @@ class EngineService:
     def _build(self, loaded):
         from engine.llm_engine import LLMEngine  # heavy; only the worker process pays for it
 
-        return LLMEngine(self.config, loaded=loaded)
+        config = self.config
+        if self.num_kv_blocks and config.num_kv_blocks is None:
+            # a rebuild gets the pool size the first engine had, rather than one re-derived from
+            # whatever memory is free at that moment: same capacity, or a clear failure
+            config = dataclasses.replace(config, num_kv_blocks=self.num_kv_blocks)
+        return LLMEngine(config, loaded=loaded)
 
     def _install(self, engine, is_rebuild: bool) -> None:
         """Make ``engine`` current and start its loop thread. Caller holds the lock."""
@@ -351,15 +359,16 @@ class EngineService:
                         self._wake.wait(IDLE_WAIT_S)
                         continue
                 self._apply(engine, ops)
-                self._last_beat = time.monotonic()
                 if not engine.has_unfinished():
                     self.engine_stats = engine.stats()
                     continue
+                steps_before = self.num_steps
                 outputs = engine.step()
                 if abandoned.is_set():
                     return  # the supervisor gave up on this engine; its results are void
-                now = time.monotonic()
-                self._last_beat = self._last_step_at = now
+                if self.num_steps == steps_before:
+                    continue  # nothing was scheduled: not progress, so the watchdog keeps counting
+                self._last_beat = self._last_step_at = time.monotonic()
                 self._engine_steps += 1
                 self._failed_rebuilds = 0
                 self.num_step_tokens += engine.last_step_num_tokens
@@ -508,6 +517,7 @@ class EngineService:
             self._gen += 1
             self._abandoned.set()  # the old loop thread, if it ever returns, touches nothing
             old_was_rebuild = self._engine_is_rebuild and self._engine_steps == 0
+            old_thread = self._loop_thread
             self._engine = None
             self._state = "rebuilding"
             pending = self._take_pending()
@@ -516,9 +526,24 @@ class EngineService:
         log.error("engine failure: %s; failing %d in-flight requests with a retryable EngineFailure and "
                   "rebuilding the engine\n%s", reason, len(pending), tb.rstrip())
         self._fail(pending, EngineFailure(f"engine failure ({reason}); the request will be retried"))
+        self._release(old_thread, exc)
+        del exc
         if old_was_rebuild:
             self._failed_rebuilds += 1  # rebuilt, but failed before completing a single step
         self._rebuild(reason)
+
+    @staticmethod
+    def _release(old_thread: threading.Thread | None, exc: BaseException | None) -> None:
+        """Let the old engine's memory go before a new KV pool is allocated. A thread that raised
+        exits at once; a hung one cannot be waited for, and keeps its engine until it returns."""
+        if old_thread is not None and old_thread is not threading.current_thread():
+            old_thread.join(timeout=2.0)
+        if exc is not None:
+            traceback.clear_frames(exc.__traceback__)  # the frames hold the old engine and its KV pool
+        gc.collect()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
     def _rebuild(self, reason: str) -> None:
         attempt = 0
@@ -527,8 +552,11 @@ class EngineService:
                 self._give_up(f"{self._failed_rebuilds} consecutive engine rebuilds failed (last failure: {reason})")
                 return
             attempt += 1
-            # reuse the weights first; if that does not hold, reload them from disk
+            # reuse the weights first; if that does not hold, drop them and reload from disk
             loaded = self._loaded if attempt == 1 else None
+            if loaded is None:
+                self._loaded = None
+                gc.collect()
             t0 = time.monotonic()
             try:
                 for f in self.faults:
