@@ -40,8 +40,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     # [B, max_blocks] -> [B, num_kv_heads, max_blocks * block_size, head_dim]
-    g = cache[block_tables]  # [B, max_blocks, block_size, Hkv, D]
-    b, nb, bs, hkv, d = g.shape
+    # index_select over whole blocks is several times faster on CPU than advanced indexing
+    num_blocks, bs, hkv, d = cache.shape
+    b, nb = block_tables.shape
+    g = cache.view(num_blocks, -1).index_select(0, block_tables.reshape(-1))
     return g.view(b, nb * bs, hkv, d).transpose(1, 2)
 
 
