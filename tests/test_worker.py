@@ -235,3 +235,29 @@ def test_smollm2_end_to_end(workers):
     c = done.get(timeout=120)
     assert c.choices[0].text.strip() and c.usage.completion_tokens <= 8
     client.close()
+
+
+def test_passwords_in_urls_are_never_logged(workers, redis_urls):
+    secret = "pw-" + re.sub(r"\W", "", str(time.time_ns()))
+    broker, backend = (u.replace("redis://", f"redis://:{secret}@") for u in redis_urls)
+    w = workers.spawn(BATCHERY_BROKER_URL=broker, BATCHERY_RESULT_BACKEND=backend)  # this Redis takes any password
+    client = workers.client(w.queue)
+    assert client.complete("hello", max_tokens=2).get(timeout=60).usage.completion_tokens == 2
+    with pytest.raises(InvalidRequest):
+        client.complete([5] * 9000, max_tokens=1).get(timeout=60)
+    log = w.log()
+    assert "broker=redis://:***@" in log and "backend=redis://:***@" in log
+    assert secret not in log
+    client.close()
+
+
+@pytest.mark.parametrize("env, code, needle", [
+    ({"BATCHERY_FAULTS": "explode:1"}, 2, "invalid configuration: unknown fault 'explode'"),
+    ({"BATCHERY_MAX_TASK_TIMEOUT": "600", "BATCHERY_VISIBILITY_TIMEOUT": "60"}, 2, "VISIBILITY_TIMEOUT"),
+    ({"BATCHERY_MODEL": "/nonexistent/model"}, 3, "could not load model /nonexistent/model; not consuming"),
+])
+def test_worker_refuses_to_start_with_bad_config_or_model(workers, env, code, needle):
+    w = workers.spawn(ready=False, **env)
+    assert w.wait(90) == code
+    assert needle in w.log()
+    assert "batchery worker ready" not in w.log()
