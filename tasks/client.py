@@ -124,14 +124,15 @@ class Client:
     def chat(self, messages: list[dict], *, timeout: float | None = None, expires: float | datetime | None = None,
              **params) -> Handle:
         """Enqueue a chat completion. ``params`` are the OpenAI body fields (max_tokens, temperature,
-        ...); ``timeout`` is the task's deadline in seconds; ``expires`` drops the task if no worker
-        has started it within that many seconds."""
+        ...). ``timeout`` is the task's deadline in seconds (default: the worker's
+        BATCHERY_TASK_TIMEOUT), counted from when a worker starts an attempt; an attempt retried
+        after an engine failure gets a fresh deadline. ``expires`` (seconds from now, or a datetime)
+        drops the task if no worker has started it by then."""
         return self._send(CHAT_TASK, ChatCompletionRequest, ChatCompletion, {"messages": messages, **params},
                           timeout, expires)
 
     def complete(self, prompt: str | list[int], *, timeout: float | None = None,
-                 expires: float | datetime | None = None,
-                 **params) -> Handle:
+                 expires: float | datetime | None = None, **params) -> Handle:
         """Enqueue a (legacy) completion of ``prompt`` (text or token ids)."""
         return self._send(COMPLETION_TASK, CompletionRequest, Completion, {"prompt": prompt, **params},
                           timeout, expires)

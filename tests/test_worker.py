@@ -19,7 +19,7 @@ import pytest
 from conftest import REPO, redis_client, wait_for
 from tasks.client import Handle
 from tasks.schemas import ChatCompletion, Completion
-from worker.errors import DeadlineExceeded, InvalidRequest
+from worker.errors import DeadlineExceeded, EngineFailure, InvalidRequest
 
 HI = [{"role": "user", "content": "hello world"}]
 
@@ -161,6 +161,18 @@ def test_step_exception_with_32_in_flight_is_survived(workers):
     assert re.search(r"WARNING .* engine restarted: rebuild 1 .* reused weights", log)
     assert all(r.timing.attempt == 1 for r in results)  # every one of them was retried once
     assert w.http("/healthz")[0] == 200
+    client.close()
+
+
+def test_engine_failure_reaches_the_client_once_retries_are_spent(workers):
+    # two failing steps in a row: the first attempt and its one retry both meet a failing engine
+    w = workers.spawn(BATCHERY_FAULTS="step_raise:1,step_raise:2", BATCHERY_MAX_RETRIES="1")
+    client = workers.client(w.queue)
+    h = client.chat(HI, max_tokens=4)
+    with pytest.raises(EngineFailure, match=r"gave up after 1 retries"):
+        h.get(timeout=60)
+    assert w.count(rf"\[{h.id}\] retry: Retry in") == 1
+    assert client.chat(HI, max_tokens=4).get(timeout=60).usage.completion_tokens == 4  # and it serves again
     client.close()
 
 
