@@ -275,3 +275,10 @@ def test_worker_refuses_to_start_with_bad_config_or_model(workers, env, code, ne
     assert w.wait(90) == code
     assert needle in w.log()
     assert "batchery worker ready" not in w.log()
+
+
+def test_sigterm_during_start_up_exits_cleanly(workers):
+    w = workers.spawn(ready=False)
+    w.wait_for_log(r"starting worker", 60)
+    assert w.terminate(timeout=60) == 0
+    assert "batchery worker ready" not in w.log()

@@ -33,6 +33,10 @@ def configure_logging(level: str) -> None:
     root.setLevel(level.upper())
 
 
+def _exit_during_startup(signum, frame) -> None:
+    raise SystemExit(EXIT_OK)
+
+
 def run_worker(settings: Settings | None = None) -> int:
     """Run a worker in this process (blocking). Returns the process exit code."""
     from celery import signals
@@ -51,6 +55,9 @@ def run_worker(settings: Settings | None = None) -> int:
         log.critical("invalid configuration: %s", exc)
         return EXIT_CONFIG
     configure_logging(settings.log_level)
+    if threading.current_thread() is threading.main_thread():
+        # Until Celery installs its own handlers, SIGTERM means "never mind": nothing is consumed yet.
+        signal.signal(signal.SIGTERM, _exit_during_startup)
     log.info("starting worker: model=%s queue=%s broker=%s backend=%s threads=%d faults=%s", settings.model,
              settings.queue, mask_url(settings.broker_url), mask_url(settings.result_backend),
              settings.num_task_threads, settings.faults or "none")
@@ -68,6 +75,10 @@ def run_worker(settings: Settings | None = None) -> int:
                             max_rebuilds=settings.max_rebuilds, faults=faults, on_fatal=on_fatal)
     try:
         service.start()  # loads the weights before a single message is taken
+    except SystemExit:
+        service.stop()
+        log.info("stopped during start-up, before consuming")
+        return EXIT_OK
     except Exception:  # noqa: BLE001
         log.critical("could not load model %s; not consuming", settings.model, exc_info=True)
         return EXIT_ENGINE_DEAD
