@@ -58,6 +58,7 @@ def run_direct(settings, loaded, workload) -> dict:
     from engine.sampling import SamplingParams
 
     engine = LLMEngine(settings.engine_config(), loaded=loaded)
+    stepped: dict = {}
 
     def run(items) -> tuple[int, float]:
         t0 = time.perf_counter()
@@ -65,8 +66,13 @@ def run_direct(settings, loaded, workload) -> dict:
             engine.add_request(f"r{i}-{t0}", engine.encode_chat(messages),
                                SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
         tokens = 0
+        steps_before = engine.num_steps
+        step_seconds = 0.0
         while engine.has_unfinished():
+            ts = time.perf_counter()
             tokens += sum(len(o.token_ids) for o in engine.step())
+            step_seconds += time.perf_counter() - ts
+        stepped.update(steps=engine.num_steps - steps_before, step_seconds=step_seconds)
         return tokens, time.perf_counter() - t0
 
     def in_thread(items) -> tuple[int, float]:
@@ -80,7 +86,7 @@ def run_direct(settings, loaded, workload) -> dict:
 
     in_thread([(WARMUP, 4)])  # warm-up (allocator, oneDNN / Triton kernels); not timed
     tokens, wall = in_thread(workload)
-    return {"tokens": tokens, "wall": wall, "throughput": tokens / wall,
+    return {"tokens": tokens, "wall": wall, "throughput": tokens / wall, **stepped,
             "mean_batch": engine.stats()["mean_batch_size"]}
 
 
@@ -184,6 +190,7 @@ class QueueRunner:
         tokens = sum(r.usage.completion_tokens for r in results)
         steps = after["num_steps"] - before["num_steps"]
         return {"tokens": tokens, "wall": wall, "throughput": tokens / wall, "added": added, "parts": parts,
+                "steps": steps, "step_seconds": after["step_seconds"] - before["step_seconds"],
                 "mean_batch": (after["num_step_seqs"] - before["num_step_seqs"]) / max(steps, 1)}
 
     def close(self) -> None:
@@ -230,10 +237,10 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append((direct, queued))
             added_ms = [a * 1000 for a in queued["added"]]
             print(f"round {r} (seed {args.seed + r}, {direct['tokens']} generated tokens)")
-            print(f"  direct on the engine : {direct['throughput']:8.1f} tok/s  ({direct['wall']:.2f} s, "
-                  f"mean batch {direct['mean_batch']:.1f})")
-            print(f"  through the queue    : {queued['throughput']:8.1f} tok/s  ({queued['wall']:.2f} s, "
-                  f"mean batch {queued['mean_batch']:.1f})")
+            for name, res in (("direct on the engine", direct), ("through the queue   ", queued)):
+                print(f"  {name} : {res['throughput']:8.1f} tok/s  ({res['wall']:.2f} s; {res['steps']} steps, "
+                      f"{1000 * res['step_seconds'] / max(res['steps'], 1):.1f} ms each, mean batch "
+                      f"{res['mean_batch']:.1f})")
             print(f"  ratio queue/direct   : {queued['throughput'] / direct['throughput']:.3f}")
             if added_ms:
                 print(f"  time added by queue  : p50 {percentile(added_ms, 0.5):.1f} ms, "

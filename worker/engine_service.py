@@ -42,6 +42,7 @@ from worker.faults import Fault, StepContext
 log = logging.getLogger("batchery.worker.engine")
 
 IDLE_WAIT_S = 1.0  # the idle loop wakes this often just to show it is alive
+BATCH_QUIET_S = 0.01  # gathering a burst ends once no request has arrived for this long
 SUPERVISOR_TICK_S = 0.1
 
 
@@ -95,6 +96,7 @@ class EngineService:
         max_rebuilds: int = 3,
         faults: list[Fault] | None = None,
         rebuild_backoff: float = 0.5,
+        batch_wait: float = 0.0,
         on_fatal: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
@@ -102,6 +104,7 @@ class EngineService:
         self.max_rebuilds = max_rebuilds
         self.faults = list(faults or [])
         self.rebuild_backoff = rebuild_backoff
+        self.batch_wait = batch_wait
         self.on_fatal = on_fatal
 
         self._lock = threading.Lock()
@@ -133,6 +136,7 @@ class EngineService:
         self.num_steps = 0
         self.num_step_seqs = 0
         self.num_step_tokens = 0
+        self.step_seconds = 0.0  # wall time inside engine.step()
         self.num_failures = 0
         self.num_rebuilds = 0
         self.num_requests = 0
@@ -291,6 +295,7 @@ class EngineService:
             "num_steps": self.num_steps,
             "num_step_seqs": self.num_step_seqs,
             "num_step_tokens": self.num_step_tokens,
+            "step_seconds": round(self.step_seconds, 6),
             "mean_batch_size": self.num_step_seqs / steps,
             "num_failures": self.num_failures,
             "num_rebuilds": self.num_rebuilds,
@@ -352,18 +357,23 @@ class EngineService:
                 with self._lock:
                     if abandoned.is_set() or self._stop.is_set():
                         return
-                    ops = list(self._inbox)
-                    self._inbox.clear()
-                    if not ops and not engine.has_unfinished():
+                    idle = not engine.has_unfinished()
+                    if idle and not self._inbox:
                         self._last_beat = time.monotonic()
                         self._wake.wait(IDLE_WAIT_S)
                         continue
+                    if idle and self.batch_wait > 0:
+                        self._gather()
+                    ops = list(self._inbox)
+                    self._inbox.clear()
                 self._apply(engine, ops)
                 if not engine.has_unfinished():
                     self.engine_stats = engine.stats()
                     continue
                 steps_before = self.num_steps
+                t_step = time.perf_counter()
                 outputs = engine.step()
+                self.step_seconds += time.perf_counter() - t_step
                 if abandoned.is_set():
                     return  # the supervisor gave up on this engine; its results are void
                 if self.num_steps == steps_before:
@@ -385,6 +395,22 @@ class EngineService:
                 if self._failure is None:
                     self._failure = (gen, f"the engine loop raised {type(exc).__name__}", exc)
             self._failed.set()
+
+    def _gather(self) -> None:
+        """The engine is idle and work has arrived: let a burst finish arriving before the first
+        step, so the step batches it (and small early steps do not compete with the arriving
+        tasks for the CPU). Waits while new requests keep coming, at most ``batch_wait`` seconds;
+        a lone request waits one quiet period. Caller holds the lock."""
+        deadline = time.monotonic() + self.batch_wait
+        quiet = min(BATCH_QUIET_S, self.batch_wait)
+        while len(self._inbox) < self.config.max_num_seqs:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            n = len(self._inbox)
+            self._wake.wait(min(quiet, left))
+            if len(self._inbox) == n or self._stop.is_set():
+                return
 
     def _apply(self, engine, ops: list) -> None:
         """Apply queued adds and aborts. Loop thread only."""

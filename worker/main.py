@@ -6,6 +6,7 @@ unfinished messages have gone back to the queue)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -72,7 +73,8 @@ def run_worker(settings: Settings | None = None) -> int:
         os.kill(os.getpid(), signal.SIGTERM)
 
     service = EngineService(engine_config, watchdog_timeout=settings.watchdog_timeout,
-                            max_rebuilds=settings.max_rebuilds, faults=faults, on_fatal=on_fatal)
+                            max_rebuilds=settings.max_rebuilds, faults=faults, on_fatal=on_fatal,
+                            batch_wait=settings.batch_wait)
     try:
         service.start()  # loads the weights before a single message is taken
     except SystemExit:
@@ -83,6 +85,9 @@ def run_worker(settings: Settings | None = None) -> int:
         log.critical("could not load model %s; not consuming", settings.model, exc_info=True)
         return EXIT_ENGINE_DEAD
     app.batchery_service = service
+    # Everything loaded so far (torch, transformers, the weights' Python objects) lives as long as
+    # the process: keep it out of the cyclic GC, whose full passes over it stall the engine loop.
+    gc.freeze()
 
     health = None
     if settings.health_port:

@@ -90,6 +90,7 @@ class Settings(BaseSettings):
     retry_backoff: float = Field(default=1.0, gt=0, description="first retry delay, seconds; doubles each time")
     retry_backoff_max: float = Field(default=60.0, gt=0)
     visibility_timeout: float | None = Field(default=None, gt=0, description="None -> 2 x max_task_timeout")
+    batch_wait: float = Field(default=0.1, ge=0, le=10, description="idle engine: at most this long to let a burst arrive")
     shutdown_grace: float = Field(default=30.0, ge=0, description="on SIGTERM, seconds in-flight work may finish")
 
     # supervision
@@ -126,6 +127,8 @@ class Settings(BaseSettings):
                 f"plus retry delay ({self.max_task_timeout:g} + {self.retry_backoff_max:g} s); raise it or lower "
                 "BATCHERY_MAX_TASK_TIMEOUT"
             )
+        if self.batch_wait >= self.watchdog_timeout:
+            raise ValueError("BATCHERY_BATCH_WAIT must be shorter than BATCHERY_WATCHDOG_TIMEOUT")
         if self.retry_backoff > self.retry_backoff_max:
             raise ValueError("BATCHERY_RETRY_BACKOFF must not exceed BATCHERY_RETRY_BACKOFF_MAX")
         return self
