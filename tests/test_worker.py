@@ -282,3 +282,23 @@ def test_sigterm_during_start_up_exits_cleanly(workers):
     w.wait_for_log(r"starting worker", 60)
     assert w.terminate(timeout=60) == 0
     assert "batchery worker ready" not in w.log()
+
+
+def test_task_events_for_monitoring_when_asked(workers):
+    import threading
+
+    w = workers.spawn(BATCHERY_SEND_EVENTS="true")
+    client = workers.client(w.queue)
+    events: list[dict] = []
+    with client.app.connection() as conn:
+        receiver = client.app.events.Receiver(conn, handlers={"*": events.append})
+        capture = threading.Thread(target=lambda: receiver.capture(limit=None, timeout=15), daemon=True)
+        capture.start()
+        wait_for(lambda: any(e["type"] == "worker-heartbeat" for e in events), 15, what="a worker heartbeat")
+        h = client.complete("hello", max_tokens=2)
+        h.get(timeout=60)
+        wait_for(lambda: any(e["type"] == "task-succeeded" and e.get("uuid") == h.id for e in events), 15,
+                 what="the task-succeeded event")
+        receiver.should_stop = True
+        capture.join(20)
+    client.close()

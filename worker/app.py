@@ -45,6 +45,9 @@ def make_app(settings: Settings | None = None) -> Celery:
         # a lost broker connection must not cancel generations; their messages stay unacked
         worker_cancel_long_running_tasks_on_connection_loss=False,
         enable_utc=True,
+        # task events for monitoring (Flower); off by default, they cost a Redis publish per state change
+        worker_send_task_events=settings.send_events,
+        task_send_sent_event=settings.send_events,
     )
     expected = (InvalidRequest, DeadlineExceeded)  # logged without a traceback
     common = dict(bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=settings.max_retries,

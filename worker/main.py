@@ -123,7 +123,7 @@ def run_worker(settings: Settings | None = None) -> int:
         loglevel=settings.log_level.upper(),
         without_mingle=True,
         without_gossip=True,
-        without_heartbeat=True,
+        without_heartbeat=not settings.send_events,  # Flower needs heartbeats to show the worker
         quiet=True,
     )
     try:

@@ -102,6 +102,7 @@ class Settings(BaseSettings):
     health_host: str = "0.0.0.0"
     health_port: int = Field(default=8080, ge=0, le=65535, description="0 -> health server disabled")
     log_level: str = "INFO"
+    send_events: bool = Field(default=False, description="Celery task events and worker heartbeats (Flower)")
     hostname: str | None = None  # Celery node name; None -> batchery-<pid>@<host>
 
     @model_validator(mode="after")
