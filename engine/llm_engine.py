@@ -29,6 +29,10 @@ def _eos_ids(loaded: LoadedModel) -> list[int]:
     return sorted(ids)
 
 
+class PromptTooLong(ValueError):
+    """The prompt leaves no room to generate within ``max_model_len``."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
@@ -71,7 +75,7 @@ class LLMEngine:
         if any(not isinstance(t, int) or not 0 <= t < self.runner.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.runner.vocab_size})")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
+            raise PromptTooLong(
                 f"the prompt has {len(prompt_token_ids)} tokens but the model's context (max_model_len) is "
                 f"{self.max_model_len}, leaving no room to generate"
             )

@@ -31,6 +31,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from worker.errors import (
+    ContextLengthExceeded,
     DeadlineExceeded,
     EngineFailure,
     EngineUnavailable,
@@ -414,6 +415,7 @@ class EngineService:
 
     def _apply(self, engine, ops: list) -> None:
         """Apply queued adds and aborts. Loop thread only."""
+        from engine.llm_engine import PromptTooLong
         from engine.sampling import SamplingParams
 
         for op, arg in ops:
@@ -443,7 +445,8 @@ class EngineService:
                 p.added_at = time.time()
                 engine.add_request(p.request_id, ids, params, priority=req.priority)
             except (ValueError, TypeError) as exc:
-                self._reject(p, InvalidRequest(str(exc)))
+                kind = ContextLengthExceeded if isinstance(exc, PromptTooLong) else InvalidRequest
+                self._reject(p, kind(str(exc)))
                 continue
             with self._lock:
                 if p.request_id not in self._pending:  # aborted while we tokenized

@@ -26,6 +26,10 @@ class InvalidRequest(BatcheryError):
     """The request body (or the prompt it yields) is invalid. Never retried."""
 
 
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt does not fit the model's context (``max_model_len``), with room to generate."""
+
+
 class DeadlineExceeded(BatcheryError):
     """The task's deadline passed; the request was aborted in the engine. Not retried."""
 
@@ -43,6 +47,11 @@ class EngineUnavailable(EngineFailure):
 
 class WorkerShuttingDown(EngineUnavailable):
     """The worker is in warm shutdown; the task puts its message back on the queue."""
+
+
+class RequestCancelled(BatcheryError):
+    """The batch job the request belongs to was cancelled (or failed); the request was aborted in
+    the engine. Worker-internal: it never reaches a client."""
 
 
 class TaskExpired(BatcheryError):
