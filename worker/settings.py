@@ -63,6 +63,16 @@ class EngineOptions(BaseModel):
     seed: int = 0
 
 
+class BatchOptions(BaseModel):
+    """Batch-job limits and bookkeeping (``BATCHERY_BATCH__MAX_LINES`` ...). Used by the submitter
+    (line size, lines per job) and by both sides for the job keys in the result backend."""
+
+    max_line_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20, description="bytes per input line")
+    max_lines: int = Field(default=100_000, ge=1, le=10_000_000, description="request lines per job")
+    ttl: int = Field(default=7 * 86400, ge=60, description="seconds a job and its results are kept once it ends")
+    key_prefix: str = Field(default="batchery:batch", min_length=1, max_length=64)
+
+
 class Settings(BaseSettings):
     """Everything a worker (and a client) needs, from ``BATCHERY_*`` environment variables."""
 
@@ -81,6 +91,7 @@ class Settings(BaseSettings):
     dtype: str = "auto"
     max_num_seqs: int = Field(default=128, ge=1)
     engine: EngineOptions = Field(default_factory=EngineOptions)
+    batch: BatchOptions = Field(default_factory=BatchOptions)
 
     # tasks
     concurrency: int | None = Field(default=None, ge=1, description="task threads; None -> max_num_seqs + 25%")
