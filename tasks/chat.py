@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from celery.exceptions import Reject
 from pydantic import BaseModel, ValidationError
@@ -38,36 +40,50 @@ from tasks.schemas import (
     describe_validation_error,
 )
 from worker.engine_service import GenerationRequest, GenerationResult
-from worker.errors import EngineFailure, EngineUnavailable, InvalidRequest
+from worker.errors import DeadlineExceeded, EngineFailure, EngineUnavailable, InvalidRequest, RequestCancelled
 
 CHAT_TASK = "batchery.chat_completion"
 COMPLETION_TASK = "batchery.completion"
+CANCEL_POLL_S = 0.25  # how often a cancellable request checks its job while it waits
 
 
 def chat_completion(self, body: dict, timeout: float | None = None) -> dict:
     """OpenAI Chat Completions body in, ``ChatCompletion`` (as a dict) out."""
-    started = time.time()
-    req = _validate(ChatCompletionRequest, body)
-    gen = GenerationRequest(messages=req.engine_messages(), sampling=req.sampling())
-    result = _generate(self, gen, timeout)
-    return shape_chat(req, result, self.request.id, self.app.batchery_settings.model, started,
-                      self.request.retries or 0).model_dump(mode="json")
+    return run_chat(self, body, timeout)
 
 
 def completion(self, body: dict, timeout: float | None = None) -> dict:
     """OpenAI Completions body in, ``Completion`` (as a dict) out."""
+    return run_completion(self, body, timeout)
+
+
+def run_chat(task, body: dict, timeout: float | None = None, *, priority: int = 0,
+             cancelled: Callable[[], bool] | None = None) -> dict:
+    """Validate, generate and shape one chat completion for ``task`` (a bound Celery task). Shared
+    by the chat task and the batch-line task; ``cancelled`` is polled while waiting (batch jobs)."""
+    started = time.time()
+    req = _validate(ChatCompletionRequest, body)
+    gen = GenerationRequest(messages=req.engine_messages(), sampling=req.sampling(), priority=priority)
+    result = _generate(task, gen, timeout, cancelled)
+    return shape_chat(req, result, task.request.id, task.app.batchery_settings.model, started,
+                      task.request.retries or 0).model_dump(mode="json")
+
+
+def run_completion(task, body: dict, timeout: float | None = None, *, priority: int = 0,
+                   cancelled: Callable[[], bool] | None = None) -> dict:
+    """``run_chat`` for a (legacy) completion."""
     started = time.time()
     req = _validate(CompletionRequest, body)
     if isinstance(req.prompt, str):
-        gen = GenerationRequest(prompt=req.prompt, sampling=req.sampling())
+        gen = GenerationRequest(prompt=req.prompt, sampling=req.sampling(), priority=priority)
     else:
-        gen = GenerationRequest(prompt_token_ids=list(req.prompt), sampling=req.sampling())
-    result = _generate(self, gen, timeout)
-    return shape_completion(req, result, self.request.id, self.app.batchery_settings.model, started,
-                            self.request.retries or 0).model_dump(mode="json")
+        gen = GenerationRequest(prompt_token_ids=list(req.prompt), sampling=req.sampling(), priority=priority)
+    result = _generate(task, gen, timeout, cancelled)
+    return shape_completion(req, result, task.request.id, task.app.batchery_settings.model, started,
+                            task.request.retries or 0).model_dump(mode="json")
 
 
-# -- the three steps ----------------------------------------------------------------------------
+# -- the steps ------------------------------------------------------------------------------------
 def _validate(schema: type[BaseModel], body):
     if not isinstance(body, dict):
         raise InvalidRequest(f"invalid request body: expected a JSON object, got {type(body).__name__}")
@@ -93,14 +109,17 @@ def retry_delay(retries: int, settings) -> float:
     return delay * random.uniform(0.5, 1.0)
 
 
-def _generate(task, gen: GenerationRequest, timeout) -> GenerationResult:
+def _generate(task, gen: GenerationRequest, timeout,
+              cancelled: Callable[[], bool] | None = None) -> GenerationResult:
     settings = task.app.batchery_settings
     deadline = resolve_timeout(timeout, settings)
     service = getattr(task.app, "batchery_service", None)
     try:
         if service is None:
             raise EngineUnavailable("this process has no engine service (not a batchery worker)")
-        return service.generate(gen, deadline)
+        if cancelled is None:
+            return service.generate(gen, deadline)
+        return _generate_cancellable(service, gen, deadline, cancelled)
     except EngineUnavailable as exc:
         # This worker cannot serve (shutting down, or its engine is gone for good): hand the
         # message back untouched for another worker, without spending a retry.
@@ -110,6 +129,28 @@ def _generate(task, gen: GenerationRequest, timeout) -> GenerationResult:
         if retries >= settings.max_retries:
             raise EngineFailure(f"{exc} -- gave up after {retries} retries") from None
         raise task.retry(exc=exc, countdown=retry_delay(retries, settings), max_retries=settings.max_retries)
+
+
+def _generate_cancellable(service, gen: GenerationRequest, timeout: float,
+                          cancelled: Callable[[], bool]) -> GenerationResult:
+    """``service.generate`` that also polls ``cancelled`` every ``CANCEL_POLL_S`` and then aborts
+    the request in the engine (freeing its KV blocks) and raises ``RequestCancelled``."""
+    deadline = time.monotonic() + timeout
+    rid, fut = service.submit(gen)
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return fut.result(timeout=max(0.0, min(CANCEL_POLL_S, left)))
+        except FutureTimeout:
+            pass
+        expired = time.monotonic() >= deadline
+        if not expired and not cancelled():
+            continue
+        if not service.abort(rid) and fut.done():
+            return fut.result()  # finished in the same instant
+        if expired:
+            raise DeadlineExceeded(f"deadline of {timeout:g} s exceeded; the request was aborted in the engine")
+        raise RequestCancelled("the batch job was cancelled; the request was aborted in the engine")
 
 
 # -- shaping ------------------------------------------------------------------------------------

@@ -7,6 +7,12 @@
     hs = c.chat_many([[...], [...]], max_tokens=32)
     r = await h.aget()
 
+    job = c.submit_batch("input.jsonl")            # or an iterable of dicts; returns the job id
+    st = c.batch_status(job)                       # BatchJob: status, request_counts{total,completed,failed}
+    c.wait_batch(job, timeout=None, progress=True)
+    for line in c.batch_results(job): ...          # records in input order (errors have "error" set)
+    c.cancel_batch(job)
+
 Bodies are validated here too, so a bad request fails at once, before it is enqueued. ``get``
 raises ``InvalidRequest``, ``DeadlineExceeded``, ``EngineFailure`` (retries exhausted),
 ``TaskExpired`` or ``ResultTimeout``. Light: no torch, no engine."""
@@ -14,10 +20,11 @@ raises ``InvalidRequest``, ``DeadlineExceeded``, ``EngineFailure`` (retries exha
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 import uuid
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
-from collections.abc import Iterable
 
 from celery.exceptions import TaskRevokedError
 from celery.exceptions import TimeoutError as CeleryTimeoutError
@@ -26,6 +33,7 @@ from pydantic import BaseModel, ValidationError
 
 from tasks.chat import CHAT_TASK, COMPLETION_TASK
 from tasks.schemas import (
+    BatchJob,
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
@@ -110,8 +118,11 @@ class Client:
         self.settings = settings
         self.queue = settings.queue
         self.app = make_app(settings)
+        self._jobs = None
 
     def close(self) -> None:
+        if self._jobs is not None:
+            self._jobs.r.close()
         self.app.close()
 
     def __enter__(self) -> Client:
@@ -182,3 +193,78 @@ class Client:
         self._check_timeout(timeout)
         with self.app.producer_or_acquire() as producer:
             return [self._publish(name, body, timeout, expires, model, producer) for body in bodies]
+
+    # -- batch jobs -----------------------------------------------------------------------------
+    @property
+    def jobs(self):
+        """The ``JobStore`` on the result backend's Redis."""
+        if self._jobs is None:
+            from tasks.jobs import JobStore, redis_from_url
+
+            b = self.settings.batch
+            self._jobs = JobStore(redis_from_url(self.settings.result_backend), b.key_prefix, b.ttl)
+        return self._jobs
+
+    def submit_batch(self, source, *, timeout: float | None = None, priority: int | None = None,
+                     metadata: dict[str, str] | None = None) -> str:
+        """Submit a batch job and return its id once every line is enqueued. ``source`` is a JSONL
+        path (OpenAI Batch input lines) or an iterable of line dicts (or JSON strings). It is
+        streamed; bad lines become error records and the rest goes on. ``timeout`` is each
+        request's deadline in seconds; ``priority`` 0 (first, the default) to 9 (last)."""
+        from tasks.submit import make_submitter
+
+        return make_submitter(self).run(source, timeout=timeout, priority=priority, metadata=metadata)
+
+    def batch_status(self, job: str | BatchJob) -> BatchJob:
+        """The job's state; raises ``tasks.jobs.JobNotFound`` (a ``KeyError``) if there is none."""
+        return self.jobs.status(_job_id(job))
+
+    def wait_batch(self, job: str | BatchJob, timeout: float | None = None, progress: bool = False,
+                   poll_interval: float = 0.5, on_update: Callable[[BatchJob], None] | None = None) -> BatchJob:
+        """Wait until the job ends (completed, failed or cancelled) and return its final state.
+        ``progress`` draws a live bar on stderr (on a terminal; else a line now and then).
+        ``on_update`` sees every polled state (and may raise to stop waiting). Raises
+        ``ResultTimeout`` after ``timeout`` seconds."""
+        from tasks.progress import Progress
+
+        job_id = _job_id(job)
+        bar = Progress(sys.stderr) if progress else None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                st = self.jobs.status(job_id)
+                if bar is not None:
+                    bar.update(st)
+                if on_update is not None:
+                    on_update(st)
+                if st.is_terminal:
+                    return st
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise ResultTimeout(f"batch job {job_id} is still {st.status} after {timeout:g} s "
+                                        f"({st.num_done}/{st.request_counts.total} done)")
+                left = poll_interval if deadline is None else min(poll_interval, max(0.0, deadline - time.monotonic()))
+                time.sleep(left)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def batch_results(self, job: str | BatchJob) -> Iterator[dict]:
+        """The job's records in input order, streamed: output lines (``"error": None``) and error
+        lines (``"error": {"code", "message", "line"}``). A cancelled or still running job gives
+        the records written so far."""
+        return self.jobs.iter_results(_job_id(job))
+
+    def cancel_batch(self, job: str | BatchJob) -> BatchJob:
+        """Cancel: lines not started are skipped, running ones aborted in the engine. Returns the
+        state (``cancelling`` until the running lines have stopped, then ``cancelled``)."""
+        job_id = _job_id(job)
+        self.jobs.cancel(job_id)
+        return self.jobs.status(job_id)
+
+    def list_batches(self, limit: int = 20) -> list[BatchJob]:
+        """The newest jobs first."""
+        return self.jobs.list(limit)
+
+
+def _job_id(job) -> str:
+    return job.id if isinstance(job, BatchJob) else str(job)

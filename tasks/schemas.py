@@ -309,3 +309,62 @@ class Completion(_Open):
     choices: list[CompletionChoice]
     usage: Usage
     timing: Timing | None = None
+
+
+# -- batch jobs -------------------------------------------------------------------------------
+BatchStatus = Literal["validating", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled"]
+TERMINAL_STATUSES = frozenset({"completed", "failed", "cancelled"})
+
+
+class RequestCounts(_Open):
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class BatchUsage(_Open):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class BatchError(_Open):
+    code: str
+    message: str
+    line: int | None = None
+
+
+class BatchJob(_Open):
+    """A batch job's state (OpenAI's Batch object, plus Batchery's queue, model and usage).
+
+    ``request_counts.total`` grows while the job is ``validating`` (the file is still being read and
+    enqueued) and is final from ``in_progress`` on. Timestamps are ``time.time()`` floats."""
+
+    id: str
+    object: Literal["batch"] = "batch"
+    status: BatchStatus
+    input_file: str | None = None
+    queue: str
+    model: str | None = None
+    created_at: float
+    in_progress_at: float | None = None
+    finalizing_at: float | None = None
+    completed_at: float | None = None
+    failed_at: float | None = None
+    cancelling_at: float | None = None
+    cancelled_at: float | None = None
+    expires_at: float | None = None
+    request_counts: RequestCounts = Field(default_factory=RequestCounts)
+    usage: BatchUsage = Field(default_factory=BatchUsage)
+    errors: list[BatchError] = Field(default_factory=list)  # job-level (the job failed); line errors are records
+    metadata: dict[str, str] = Field(default_factory=dict)
+    timeout: float | None = None  # per-request deadline, seconds (None: the worker's default)
+    priority: int = 0
+
+    @property
+    def num_done(self) -> int:
+        return self.request_counts.completed + self.request_counts.failed
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from celery import Celery
 
-from tasks import chat
+from tasks import batch_tasks, chat
+from tasks.batch_tasks import BATCH_LINE_TASK
 from tasks.chat import CHAT_TASK, COMPLETION_TASK
 from worker.errors import DeadlineExceeded, InvalidRequest
 from worker.settings import Settings
 
 
 def make_app(settings: Settings | None = None) -> Celery:
-    """A Celery app for ``settings`` (default: from the environment) with both tasks registered."""
+    """A Celery app for ``settings`` (default: from the environment) with its tasks registered."""
     settings = settings or Settings()
     app = Celery("batchery", broker=settings.broker_url, backend=settings.result_backend, set_as_current=False)
     app.conf.update(
@@ -34,7 +35,7 @@ def make_app(settings: Settings | None = None) -> Celery:
         result_expires=settings.result_expires,
         # one queue per model
         task_default_queue=settings.queue,
-        task_routes={CHAT_TASK: {"queue": settings.queue}, COMPLETION_TASK: {"queue": settings.queue}},
+        task_routes={name: {"queue": settings.queue} for name in (CHAT_TASK, COMPLETION_TASK, BATCH_LINE_TASK)},
         # many tasks per process, all feeding one engine
         worker_pool="threads",
         worker_concurrency=settings.num_task_threads,
@@ -54,6 +55,9 @@ def make_app(settings: Settings | None = None) -> Celery:
                   throws=expected, resultrepr_maxsize=160)
     app.task(name=CHAT_TASK, **common)(chat.chat_completion)
     app.task(name=COMPLETION_TASK, **common)(chat.completion)
+    # a batch line's outcome is its record in the job (tasks.jobs), not a Celery result
+    app.task(name=BATCH_LINE_TASK, **{**common, "throws": ()}, ignore_result=True)(batch_tasks.batch_line)
     app.batchery_settings = settings
     app.batchery_service = None
+    app.batchery_jobs = None  # tasks.batch_tasks.job_store, on first use
     return app

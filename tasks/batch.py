@@ -1,0 +1,250 @@
+"""Batch lines in the OpenAI Batch format: parsing, validation and the output/error records.
+
+Input line::
+
+    {"custom_id": str, "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}
+
+Output line (one per request that ran)::
+
+    {"id", "custom_id", "response": {"status_code": 200, "request_id", "body": <ChatCompletion|Completion>},
+     "error": null}
+
+Error line (a line refused while submitting, or a request the worker refused or could not finish)::
+
+    {"id", "custom_id" (null if unknown), "response": null or a 4xx/5xx response, "error": {"code", "message", "line"}}
+
+``line`` is the 1-based physical line number in the input file, blank lines included, so an editor
+jumps straight to it. Pure and light: no Redis, no Celery, no torch (the client imports it)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO
+
+from pydantic import BaseModel, ValidationError
+
+from tasks.schemas import ChatCompletionRequest, CompletionRequest, describe_validation_error
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+ENDPOINTS: dict[str, type[BaseModel]] = {CHAT_URL: ChatCompletionRequest, COMPLETIONS_URL: CompletionRequest}
+LINE_KEYS = frozenset({"custom_id", "method", "url", "body"})
+MAX_CUSTOM_ID_CHARS = 512
+
+# error codes: refused while submitting ...
+INVALID_JSON = "invalid_json"  # not JSON (or not UTF-8, or NaN/Infinity, or nested too deep)
+INVALID_LINE = "invalid_line"  # JSON, but not an object with exactly the four fields above
+MISSING_CUSTOM_ID = "missing_custom_id"  # absent, not a string, empty or too long
+DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
+UNSUPPORTED_METHOD = "unsupported_method"
+UNSUPPORTED_URL = "unsupported_url"
+INVALID_BODY = "invalid_body"
+LINE_TOO_LARGE = "line_too_large"
+# ... and reported by the worker (see tasks.batch_tasks)
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # 400: only the worker has the tokenizer
+INVALID_REQUEST = "invalid_request"  # 400: the worker refused it for another reason
+DEADLINE_EXCEEDED = "deadline_exceeded"  # 504
+ENGINE_ERROR = "engine_error"  # 500: the engine failed it and retries are spent
+INTERNAL_ERROR = "internal_error"  # 500: a bug; the line is still accounted for
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLine:
+    """A valid request line."""
+
+    line: int
+    custom_id: str
+    url: str
+    body: dict
+
+
+@dataclass(frozen=True, slots=True)
+class LineError:
+    """A line refused while submitting."""
+
+    line: int
+    custom_id: str | None
+    code: str
+    message: str
+
+
+class _TooLarge:
+    """Stands for a physical line longer than the limit (its bytes are skipped, never held)."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _loads(raw: bytes | str):
+    return json.loads(raw, parse_constant=_refuse_constant)
+
+
+def parse_line(raw: bytes | str, line: int, seen: set[str] | None = None, *,
+               max_line_bytes: int | None = None) -> BatchLine | LineError | None:
+    """One physical line (with or without its newline) -> a request, an error record, or None for
+    a blank line. Never raises. ``seen`` collects the custom_ids so far, for duplicate detection."""
+    if max_line_bytes is not None:
+        content = raw.rstrip("\r\n") if isinstance(raw, str) else raw.rstrip(b"\r\n")
+        size = len(content.encode("utf-8", "surrogatepass")) if isinstance(content, str) else len(content)
+        if size > max_line_bytes:
+            return too_large(line, size, max_line_bytes)
+    if not raw.strip():
+        return None
+    try:
+        obj = _loads(raw)
+    except RecursionError:
+        return LineError(line, None, INVALID_JSON, "invalid JSON: nested too deeply")
+    except UnicodeDecodeError as exc:
+        return LineError(line, None, INVALID_JSON, f"the line is not valid UTF-8 ({exc.reason} at byte {exc.start})")
+    except ValueError as exc:  # json.JSONDecodeError is a ValueError
+        return LineError(line, None, INVALID_JSON, f"invalid JSON: {exc}")
+    return parse_object(obj, line, seen)
+
+
+def too_large(line: int, size: int, max_line_bytes: int) -> LineError:
+    return LineError(line, None, LINE_TOO_LARGE,
+                     f"the line has {size} bytes; the limit is {max_line_bytes} (BATCHERY_BATCH__MAX_LINE_BYTES)")
+
+
+def parse_object(obj, line: int, seen: set[str] | None = None) -> BatchLine | LineError:
+    """A decoded line (or an item of an iterable submission) -> a request or an error record."""
+    if not isinstance(obj, dict):
+        return LineError(line, None, INVALID_LINE, f"expected a JSON object, got {_json_type(obj)}")
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        what = "missing" if custom_id is None else f"must be a non-empty string, got {_json_type(custom_id)}"
+        if custom_id == "":
+            what = "must not be empty"
+        return LineError(line, None, MISSING_CUSTOM_ID, f"custom_id {what}")
+    if len(custom_id) > MAX_CUSTOM_ID_CHARS:
+        return LineError(line, None, MISSING_CUSTOM_ID,
+                         f"custom_id has {len(custom_id)} characters; the limit is {MAX_CUSTOM_ID_CHARS}")
+    if seen is not None:
+        if custom_id in seen:
+            return LineError(line, custom_id, DUPLICATE_CUSTOM_ID,
+                             f"custom_id {custom_id!r} already appeared earlier in this job")
+        seen.add(custom_id)
+    extra = sorted(str(k) for k in obj.keys() - LINE_KEYS)
+    if extra:
+        return LineError(line, custom_id, INVALID_LINE,
+                         f"unknown field(s) {', '.join(map(repr, extra[:5]))}; a line has custom_id, method, "
+                         "url and body")
+    method = obj.get("method")
+    if method != "POST":
+        return LineError(line, custom_id, UNSUPPORTED_METHOD, f"method must be \"POST\", got {_short(method)}")
+    url = obj.get("url")
+    schema = ENDPOINTS.get(url) if isinstance(url, str) else None
+    if schema is None:
+        return LineError(line, custom_id, UNSUPPORTED_URL,
+                         f"url must be one of {', '.join(ENDPOINTS)}, got {_short(url)}")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        return LineError(line, custom_id, INVALID_BODY, f"body must be a JSON object, got {_json_type(body)}")
+    try:
+        schema.model_validate(body)
+    except ValidationError as exc:
+        return LineError(line, custom_id, INVALID_BODY, describe_validation_error(exc))
+    except RecursionError:
+        return LineError(line, custom_id, INVALID_BODY, "invalid request body: nested too deeply")
+    return BatchLine(line, custom_id, url, body)
+
+
+def iter_physical_lines(f: IO[bytes], max_line_bytes: int) -> Iterator[tuple[int, bytes | _TooLarge]]:
+    """Stream ``(line_number, bytes)`` from a binary file. A line over ``max_line_bytes`` (newline
+    not counted) comes as a ``_TooLarge`` marker; its bytes are read in bounded pieces and dropped,
+    never held whole."""
+    line = 0
+    limit = max_line_bytes + 2  # room for "\r\n"
+    while True:
+        raw = f.readline(limit + 1)
+        if not raw:
+            return
+        line += 1
+        if len(raw) > limit and not raw.endswith(b"\n"):  # cut short: the line goes on
+            size = len(raw)
+            while not raw.endswith(b"\n"):
+                raw = f.readline(1 << 16)
+                if not raw:
+                    break
+                size += len(raw)
+            yield line, _TooLarge(size - (len(raw) - len(raw.rstrip(b"\r\n"))))
+            continue
+        size = len(raw.rstrip(b"\r\n"))
+        yield line, (_TooLarge(size) if size > max_line_bytes else raw)
+
+
+def parse_stream(f: IO[bytes], max_line_bytes: int,
+                 seen: set[str] | None = None) -> Iterator[BatchLine | LineError]:
+    """Every non-blank line of a binary file, as a request or an error record, in order."""
+    seen = set() if seen is None else seen
+    for line, raw in iter_physical_lines(f, max_line_bytes):
+        if isinstance(raw, _TooLarge):
+            yield too_large(line, raw.size, max_line_bytes)
+            continue
+        item = parse_line(raw, line, seen)
+        if item is not None:
+            yield item
+
+
+# -- records --------------------------------------------------------------------------------------
+def record_id(job_id: str, line: int) -> str:
+    """The deterministic id of a job's line record (the same on every retry or redelivery)."""
+    return f"batch_req_{job_id.removeprefix('batch_')}_{line}"
+
+
+def output_record(job_id: str, line: int, custom_id: str, request_id: str, body: dict) -> dict:
+    return {"id": record_id(job_id, line), "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+
+
+def error_record(job_id: str, line: int, custom_id: str | None, code: str, message: str, *,
+                 status_code: int | None = None, request_id: str | None = None) -> dict:
+    """An error line. With ``status_code`` it carries an OpenAI-style error response too."""
+    response = None
+    if status_code is not None:
+        kind = "invalid_request_error" if 400 <= status_code < 500 else "server_error"
+        response = {"status_code": status_code, "request_id": request_id,
+                    "body": {"error": {"message": message, "type": kind, "param": None, "code": code}}}
+    return {"id": record_id(job_id, line), "custom_id": custom_id, "response": response,
+            "error": {"code": code, "message": message, "line": line}}
+
+
+def line_error_record(job_id: str, err: LineError) -> dict:
+    return error_record(job_id, err.line, err.custom_id, err.code, err.message)
+
+
+def is_error(record: dict) -> bool:
+    return record.get("error") is not None
+
+
+# -- helpers --------------------------------------------------------------------------------------
+def _json_type(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "an array"
+    if isinstance(v, dict):
+        return "an object"
+    return type(v).__name__
+
+
+def _short(v, limit: int = 80) -> str:
+    try:
+        s = json.dumps(v)
+    except (TypeError, ValueError, RecursionError):
+        s = _json_type(v)
+    return s if len(s) <= limit else s[: limit - 3] + "..."

@@ -1,0 +1,423 @@
+"""Batch-job state in Redis (the result backend's Redis): one hash per job, one hash of line records,
+one hash of running leases, and an index of jobs.
+
+Keys (``prefix`` is ``BATCHERY_BATCH__KEY_PREFIX``, default ``batchery:batch``)::
+
+    {prefix}:{job}          hash  status, counts, usage, timestamps, metadata, limits
+    {prefix}:{job}:results  hash  line number -> output or error record (JSON)
+    {prefix}:{job}:running  hash  line number -> lease deadline (time.time()), for cancellation
+    {prefix}:index          zset  job id, scored by creation time
+
+Every transition is one Lua script, so it is atomic against every other writer:
+
+- ``claim``: a worker may run a line only while the job is ``validating`` or ``in_progress`` and the
+  line has no record yet; it takes a lease on the line.
+- ``write``: ``HSETNX`` of the record and, only if it was new, the counter increments, all in one
+  script. A redelivered or retried request can never duplicate a line or a count. The last record
+  of an ``in_progress`` job moves it to ``finalizing``; ``finalize`` then makes it ``completed``
+  (and applies the job's TTL to all its keys).
+- ``end_submit``: the submitter's last word: the final total; ``validating`` -> ``in_progress``
+  (or ``failed``, with a job-level error).
+- ``cancel``: -> ``cancelling``; ``cancelled`` once no line holds a lease (the last running line
+  releases it, or the lease outlived its deadline because its worker died).
+
+``status`` also repairs what a dead process left behind: a job stuck in ``finalizing`` (its
+finalizer died) is finalized, a ``cancelling`` one re-checks its leases, and a ``validating`` one
+whose submitter stopped beating fails with ``submission_interrupted``."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+from tasks.schemas import TERMINAL_STATUSES, BatchJob
+
+ACTIVE_STATUSES = frozenset({"validating", "in_progress"})  # lines may still start
+STOPPED_STATUSES = frozenset({"cancelling", "cancelled", "failed"})  # lines must not run
+FINALIZE_STALE_S = 10.0  # a job finalizing for this long lost its finalizer
+SUBMIT_STALE_S = 120.0  # a validating job whose submitter has not beaten for this long is dead
+LEASE_GRACE_S = 30.0  # a running lease outlives its request's deadline by this much
+
+_PRELUDE = """
+local function finish(job, results, running, status, now, ttl)
+  redis.call('HSET', job, 'status', status, status .. '_at', now, 'expires_at', tonumber(now) + tonumber(ttl))
+  redis.call('EXPIRE', job, ttl)
+  redis.call('EXPIRE', results, ttl)
+  redis.call('DEL', running)
+end
+local function live_leases(running, now)
+  local leases = redis.call('HGETALL', running)
+  for i = 1, #leases, 2 do
+    if tonumber(leases[i + 1]) < tonumber(now) then redis.call('HDEL', running, leases[i]) end
+  end
+  return redis.call('HLEN', running)
+end
+local function inherit_ttl(key, job)
+  if redis.call('TTL', key) < 0 then
+    local ttl = redis.call('TTL', job)
+    if ttl > 0 then redis.call('EXPIRE', key, ttl) end
+  end
+end
+local function num(job, field)
+  return tonumber(redis.call('HGET', job, field) or '0') or 0
+end
+"""
+
+# KEYS: job, results, running   ARGV: line, lease deadline
+_CLAIM = _PRELUDE + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return 'gone' end
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 'done' end
+if status ~= 'validating' and status ~= 'in_progress' then return status end
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
+inherit_ttl(KEYS[3], KEYS[1])
+return 'run'
+"""
+
+# KEYS: job, results, running
+# ARGV: line, record, counter (completed|failed), prompt_tokens, completion_tokens, now, ttl
+_WRITE = _PRELUDE + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return {0, 'gone'} end
+redis.call('HDEL', KEYS[3], ARGV[1])
+if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then return {0, status} end
+inherit_ttl(KEYS[2], KEYS[1])
+redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
+if tonumber(ARGV[4]) > 0 then redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[4]) end
+if tonumber(ARGV[5]) > 0 then redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[5]) end
+if status == 'in_progress' then
+  if num(KEYS[1], 'completed') + num(KEYS[1], 'failed') >= num(KEYS[1], 'total') then
+    redis.call('HSET', KEYS[1], 'status', 'finalizing', 'finalizing_at', ARGV[6])
+    return {1, 'finalizing'}
+  end
+elseif status == 'cancelling' and live_leases(KEYS[3], ARGV[6]) == 0 then
+  finish(KEYS[1], KEYS[2], KEYS[3], 'cancelled', ARGV[6], ARGV[7])
+  return {1, 'cancelled'}
+end
+return {1, status}
+"""
+
+# KEYS: job, results, running   ARGV: line, now, ttl
+_RELEASE = _PRELUDE + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return 'gone' end
+redis.call('HDEL', KEYS[3], ARGV[1])
+if status == 'cancelling' and live_leases(KEYS[3], ARGV[2]) == 0 then
+  finish(KEYS[1], KEYS[2], KEYS[3], 'cancelled', ARGV[2], ARGV[3])
+  return 'cancelled'
+end
+return status
+"""
+
+# KEYS: job, results, running   ARGV: now, ttl
+_CANCEL = _PRELUDE + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return 'gone' end
+if status ~= 'validating' and status ~= 'in_progress' and status ~= 'cancelling' then return status end
+if status ~= 'cancelling' then redis.call('HSET', KEYS[1], 'status', 'cancelling', 'cancelling_at', ARGV[1]) end
+if live_leases(KEYS[3], ARGV[1]) == 0 then
+  finish(KEYS[1], KEYS[2], KEYS[3], 'cancelled', ARGV[1], ARGV[2])
+  return 'cancelled'
+end
+return 'cancelling'
+"""
+
+# KEYS: job, results, running   ARGV: total ('' keeps), max_line ('' keeps), now, ttl, errors JSON ('' = none)
+_END_SUBMIT = _PRELUDE + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return 'gone' end
+if ARGV[1] ~= '' then redis.call('HSET', KEYS[1], 'total', ARGV[1]) end
+if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'max_line', ARGV[2]) end
+if status ~= 'validating' then return status end
+if ARGV[5] ~= '' then
+  redis.call('HSET', KEYS[1], 'errors', ARGV[5])
+  finish(KEYS[1], KEYS[2], KEYS[3], 'failed', ARGV[3], ARGV[4])
+  return 'failed'
+end
+redis.call('HSET', KEYS[1], 'status', 'in_progress', 'in_progress_at', ARGV[3])
+if num(KEYS[1], 'completed') + num(KEYS[1], 'failed') >= num(KEYS[1], 'total') then
+  redis.call('HSET', KEYS[1], 'status', 'finalizing', 'finalizing_at', ARGV[3])
+  return 'finalizing'
+end
+return 'in_progress'
+"""
+
+# KEYS: job, results, running   ARGV: now, ttl
+_FINALIZE = _PRELUDE + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return 'gone' end
+if status ~= 'finalizing' then return status end
+finish(KEYS[1], KEYS[2], KEYS[3], 'completed', ARGV[1], ARGV[2])
+return 'completed'
+"""
+
+_FLOAT_FIELDS = ("created_at", "in_progress_at", "finalizing_at", "completed_at", "failed_at", "cancelling_at",
+                 "cancelled_at", "expires_at")
+
+
+class JobNotFound(KeyError):
+    """No such batch job (never created, or expired)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "no such batch job"
+
+
+def redis_from_url(url: str, **kwargs):
+    """A redis-py client for a Redis URL as Celery and kombu spell it (``redis://``, ``rediss://``,
+    ``redis+socket:///path``, ``unix:///path``)."""
+    import redis
+
+    parts = urlsplit(url)
+    if parts.scheme in ("redis+socket", "socket"):
+        from urllib.parse import parse_qs
+
+        q = parse_qs(parts.query)
+        return redis.Redis(unix_socket_path=parts.path, password=parts.password, username=parts.username or None,
+                           db=int(q.get("virtual_host", q.get("db", ["0"]))[0] or 0), **kwargs)
+    return redis.Redis.from_url(url, **kwargs)
+
+
+def new_job_id() -> str:
+    return f"batch_{uuid.uuid4().hex}"
+
+
+def _s(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _line_key(line: int) -> str:
+    return str(int(line))
+
+
+class JobStore:
+    """Batch-job bookkeeping on one Redis. Thread-safe (redis-py clients are)."""
+
+    def __init__(self, redis_client, prefix: str = "batchery:batch", ttl: int = 7 * 86400) -> None:
+        self.r = redis_client
+        self.prefix = prefix
+        self.ttl = int(ttl)
+        self._claim = self.r.register_script(_CLAIM)
+        self._write = self.r.register_script(_WRITE)
+        self._release = self.r.register_script(_RELEASE)
+        self._cancel = self.r.register_script(_CANCEL)
+        self._end_submit = self.r.register_script(_END_SUBMIT)
+        self._finalize = self.r.register_script(_FINALIZE)
+
+    # -- keys -------------------------------------------------------------------------------------
+    def key(self, job_id: str) -> str:
+        return f"{self.prefix}:{job_id}"
+
+    def keys(self, job_id: str) -> list[str]:
+        k = self.key(job_id)
+        return [k, f"{k}:results", f"{k}:running"]
+
+    @property
+    def index_key(self) -> str:
+        return f"{self.prefix}:index"
+
+    # -- the submitter's side ----------------------------------------------------------------------
+    def create(self, job_id: str, *, queue: str, model: str | None, input_file: str | None = None,
+               metadata: dict[str, str] | None = None, timeout: float | None = None, priority: int = 0) -> None:
+        now = time.time()
+        fields = {
+            "id": job_id, "status": "validating", "queue": queue, "model": model or "", "created_at": repr(now),
+            "submit_beat": repr(now), "total": 0, "completed": 0, "failed": 0, "prompt_tokens": 0,
+            "completion_tokens": 0, "max_line": 0, "metadata": json.dumps(metadata or {}),
+            "input_file": input_file or "", "timeout": "" if timeout is None else repr(float(timeout)),
+            "priority": int(priority), "expires_at": repr(now + self.ttl),
+        }
+        with self.r.pipeline(transaction=True) as p:
+            p.hset(self.key(job_id), mapping=fields)
+            p.expire(self.key(job_id), self.ttl)
+            p.zadd(self.index_key, {job_id: now})
+            p.zremrangebyscore(self.index_key, "-inf", now - self.ttl)  # jobs past any TTL
+            p.execute()
+
+    def queue_chunk(self, pipe, job_id: str, num_requests: int, max_line: int) -> None:
+        """Add to ``pipe`` the bookkeeping of one submitted chunk: the running total, the last line
+        seen, a heartbeat; and a read of the status, so the submitter notices a cancel."""
+        k = self.key(job_id)
+        if num_requests:
+            pipe.hincrby(k, "total", num_requests)
+        pipe.hset(k, mapping={"max_line": max_line, "submit_beat": repr(time.time())})
+        pipe.hget(k, "status")
+
+    def write_in(self, pipe, job_id: str, line: int, record: dict, failed: bool,
+                 prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+        """``write`` inside a pipeline (the submitter's error records)."""
+        self._write(keys=self.keys(job_id), args=self._write_args(line, record, failed, prompt_tokens,
+                                                                  completion_tokens), client=pipe)
+
+    def end_submit(self, job_id: str, total: int | None, max_line: int | None,
+                   errors: list[dict] | None = None) -> str:
+        """Close the submission: the final total, then ``in_progress`` (or ``failed`` with
+        ``errors``). Returns the new status; finalizes at once if every line is already done."""
+        status = _s(self._end_submit(keys=self.keys(job_id), args=[
+            "" if total is None else int(total), "" if max_line is None else int(max_line), repr(time.time()),
+            self.ttl, json.dumps(errors) if errors else ""]))
+        if status == "finalizing":
+            status = self.finalize(job_id)
+        return status
+
+    # -- the worker's side ------------------------------------------------------------------------
+    def claim(self, job_id: str, line: int, lease_s: float) -> str:
+        """``"run"`` (the caller holds the line's lease), ``"done"`` (it has a record), ``"gone"``
+        (no such job) or the job's status when lines must not run."""
+        return _s(self._claim(keys=self.keys(job_id), args=[_line_key(line), repr(time.time() + lease_s)]))
+
+    def write(self, job_id: str, line: int, record: dict, failed: bool, prompt_tokens: int = 0,
+              completion_tokens: int = 0) -> tuple[bool, str]:
+        """Store a line's record once: ``(is_new, status)``. Counters move only when it is new, in
+        the same script. Finalizes the job when this was its last line."""
+        new, status = self._write(keys=self.keys(job_id), args=self._write_args(
+            line, record, failed, prompt_tokens, completion_tokens))
+        status = _s(status)
+        if status == "finalizing" and new:
+            status = self.finalize(job_id)
+        return bool(new), status
+
+    def release(self, job_id: str, line: int) -> str:
+        """Give up a line's lease without a record (cancelled, retried, requeued)."""
+        return _s(self._release(keys=self.keys(job_id), args=[_line_key(line), repr(time.time()), self.ttl]))
+
+    def _write_args(self, line, record, failed, prompt_tokens, completion_tokens) -> list:
+        return [_line_key(line), json.dumps(record, separators=(",", ":")), "failed" if failed else "completed",
+                int(prompt_tokens), int(completion_tokens), repr(time.time()), self.ttl]
+
+    # -- anyone -----------------------------------------------------------------------------------
+    def finalize(self, job_id: str) -> str:
+        return _s(self._finalize(keys=self.keys(job_id), args=[repr(time.time()), self.ttl]))
+
+    def cancel(self, job_id: str) -> str:
+        """Ask a job to stop: ``cancelling``, then ``cancelled`` once no line is running. A job that
+        already ended keeps its status. Raises ``JobNotFound``."""
+        status = _s(self._cancel(keys=self.keys(job_id), args=[repr(time.time()), self.ttl]))
+        if status == "gone":
+            raise JobNotFound(f"no batch job {job_id!r} (never created, or expired)")
+        return status
+
+    def get_status(self, job_id: str) -> str | None:
+        v = self.r.hget(self.key(job_id), "status")
+        return None if v is None else _s(v)
+
+    def status(self, job_id: str, repair: bool = True) -> BatchJob:
+        """The job's state. Raises ``JobNotFound``. With ``repair``, finishes what a dead
+        finalizer, canceller or submitter left half done (see the module docstring)."""
+        raw = self.r.hgetall(self.key(job_id))
+        if not raw:
+            raise JobNotFound(f"no batch job {job_id!r} (never created, or expired)")
+        job = self._parse(raw)
+        if repair and not job.is_terminal and self._repair(job_id, job, raw):
+            return self.status(job_id, repair=False)
+        return job
+
+    def _repair(self, job_id: str, job: BatchJob, raw: dict) -> bool:
+        now = time.time()
+        if job.status == "finalizing" and now - (job.finalizing_at or now) > FINALIZE_STALE_S:
+            self.finalize(job_id)
+            return True
+        if job.status == "cancelling":
+            return self.cancel(job_id) != "cancelling"
+        beat = float(_s(raw.get(b"submit_beat", b"0")) or 0)
+        if job.status == "validating" and now - beat > SUBMIT_STALE_S:
+            self.end_submit(job_id, None, None, [{
+                "code": "submission_interrupted",
+                "message": f"the submitter stopped after {job.request_counts.total} requests "
+                           f"(no sign of it for {now - beat:.0f} s)", "line": None}])
+            return True
+        return False
+
+    @staticmethod
+    def _parse(raw: dict) -> BatchJob:
+        d = {_s(k): _s(v) for k, v in raw.items()}
+        num = lambda f: int(d.get(f) or 0)  # noqa: E731
+        out = {
+            "id": d["id"], "status": d["status"], "queue": d.get("queue", ""), "model": d.get("model") or None,
+            "input_file": d.get("input_file") or None,
+            "request_counts": {"total": num("total"), "completed": num("completed"), "failed": num("failed")},
+            "usage": {"prompt_tokens": num("prompt_tokens"), "completion_tokens": num("completion_tokens"),
+                      "total_tokens": num("prompt_tokens") + num("completion_tokens")},
+            "metadata": json.loads(d.get("metadata") or "{}"),
+            "errors": json.loads(d.get("errors") or "[]"),
+            "timeout": float(d["timeout"]) if d.get("timeout") else None,
+            "priority": num("priority"),
+        }
+        for f in _FLOAT_FIELDS:
+            if d.get(f):
+                out[f] = float(d[f])
+        return BatchJob.model_validate(out)
+
+    def max_line(self, job_id: str) -> int:
+        v = self.r.hget(self.key(job_id), "max_line")
+        if v is None:
+            raise JobNotFound(f"no batch job {job_id!r} (never created, or expired)")
+        return int(v)
+
+    def iter_results(self, job_id: str, chunk: int = 1000) -> Iterator[dict]:
+        """The job's records (outputs and errors), in input order, streamed ``chunk`` lines at a time."""
+        last = self.max_line(job_id)
+        results = self.keys(job_id)[1]
+        for start in range(1, last + 1, chunk):
+            lines = range(start, min(start + chunk, last + 1))
+            for raw in self.r.hmget(results, [str(n) for n in lines]):
+                if raw is not None:
+                    yield json.loads(raw)
+
+    def list(self, limit: int = 20) -> list[BatchJob]:
+        """The newest ``limit`` jobs (expired ones are dropped from the index as they are met)."""
+        ids = [_s(j) for j in self.r.zrevrange(self.index_key, 0, max(limit, 1) - 1)]
+        with self.r.pipeline(transaction=False) as p:
+            for j in ids:
+                p.hgetall(self.key(j))
+            raws = p.execute()
+        jobs, gone = [], []
+        for j, raw in zip(ids, raws):
+            if raw:
+                jobs.append(self._parse(raw))
+            else:
+                gone.append(j)
+        if gone:
+            self.r.zrem(self.index_key, *gone)
+        return jobs
+
+    def delete(self, job_id: str) -> None:
+        """Remove a job and its records now (tests, operators)."""
+        with self.r.pipeline(transaction=True) as p:
+            p.delete(*self.keys(job_id))
+            p.zrem(self.index_key, job_id)
+            p.execute()
+
+
+class JobWatch:
+    """Worker side: "should this job's lines stop?", answered from a per-job cache refreshed at
+    most every ``interval`` seconds, so hundreds of waiting task threads cost a few reads a second."""
+
+    def __init__(self, store: JobStore, interval: float = 0.5) -> None:
+        self.store = store
+        self.interval = interval
+        self._lock = threading.Lock()
+        self._cache: dict[str, tuple[float, str | None]] = {}
+
+    def stopped(self, job_id: str) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            hit = self._cache.get(job_id)
+        if hit is None or now - hit[0] >= self.interval:
+            try:
+                status = self.store.get_status(job_id)
+            except Exception:  # noqa: BLE001 - Redis hiccup: keep going; the deadline still holds
+                return False
+            with self._lock:
+                if len(self._cache) > 4096:
+                    self._cache.clear()
+                self._cache[job_id] = (now, status)
+            hit = (now, status)
+        return hit[1] is None or hit[1] in STOPPED_STATUSES
+
+
+__all__ = ["JobStore", "JobWatch", "JobNotFound", "redis_from_url", "new_job_id", "ACTIVE_STATUSES",
+           "STOPPED_STATUSES", "TERMINAL_STATUSES"]

@@ -1,0 +1,200 @@
+"""Streaming submission of a batch job: read, validate, enqueue, chunk by chunk.
+
+The input is never held whole: lines are read one at a time (an oversized line in bounded pieces),
+parsed and validated (``tasks.batch``), and every ``chunk_size`` lines one pipeline records the
+chunk's error lines and counts in the job, then one ``LPUSH`` puts its task messages on the queue
+(``tasks.publish``). Workers start on the first chunk while the rest is still being read; the
+job is ``validating`` until the last chunk, then ``in_progress``.
+
+The job fails as a whole (status ``failed``, a job-level error; lines already queued are skipped
+and running ones aborted) only when it cannot be a job: no request lines (``empty_file``), more
+lines than ``BATCHERY_BATCH__MAX_LINES`` (``too_many_lines``), or the submission itself broke off
+(``submission_interrupted``: Ctrl-C, an unreadable file)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from tasks.batch import BatchLine, LineError, line_error_record, parse_line, parse_object, parse_stream
+from tasks.batch_tasks import BATCH_LINE_TASK
+from tasks.jobs import STOPPED_STATUSES, JobStore, new_job_id
+from tasks.publish import MessageBuilder, is_redis_url
+from worker.errors import InvalidRequest
+
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+DEFAULT_CHUNK = 1000
+
+
+def check_options(timeout, priority, metadata) -> tuple[float | None, int, dict[str, str]]:
+    """Validate the job-level options; raises ``InvalidRequest``."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout > 0):
+        raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if priority is None:
+        priority = 0
+    if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 9:
+        raise InvalidRequest(f"priority must be an integer from 0 (first) to 9 (last), got {priority!r}")
+    metadata = dict(metadata or {})
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise InvalidRequest(f"at most {MAX_METADATA_PAIRS} metadata pairs, got {len(metadata)}")
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str) or not k or len(k) > MAX_METADATA_KEY \
+                or len(v) > MAX_METADATA_VALUE:
+            raise InvalidRequest(f"metadata keys must be strings of 1-{MAX_METADATA_KEY} characters and values "
+                                 f"strings of at most {MAX_METADATA_VALUE}; got {k!r}: {v!r}"[:300])
+    return (None if timeout is None else float(timeout)), priority, metadata
+
+
+def count_request_lines(path: Path, max_lines: int) -> int:
+    """Non-blank lines in ``path``, counted only as far as needed to tell whether it exceeds
+    ``max_lines`` (a cheap newline count settles the common case)."""
+    newlines = 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            newlines += block.count(b"\n")
+    if newlines + 1 <= max_lines:
+        return min(newlines + 1, max_lines)
+    n = 0
+    with open(path, "rb") as f:
+        for raw in iter(lambda: f.readline(1 << 16), b""):
+            if raw.strip():
+                n += 1
+    return n
+
+
+class Submitter:
+    """Submits one job. ``run`` returns the job id; the job's status tells how it went."""
+
+    def __init__(self, store: JobStore, broker, app, settings, *, chunk_size: int = DEFAULT_CHUNK) -> None:
+        self.store = store
+        self.broker = broker  # a redis-py client on the broker's Redis, or None for a non-Redis broker
+        self.app = app
+        self.settings = settings
+        self.chunk_size = chunk_size
+
+    def run(self, source, *, timeout=None, priority=None, metadata=None, job_id: str | None = None) -> str:
+        timeout, priority, metadata = check_options(timeout, priority, metadata)
+        limits = self.settings.batch
+        job_id = job_id or new_job_id()
+        path = Path(source) if isinstance(source, (str, os.PathLike)) else None
+        if path is not None and not path.is_file():
+            raise InvalidRequest(f"no such file: {path}")
+        self.store.create(job_id, queue=self.settings.queue, model=self.settings.model,
+                          input_file=str(path) if path else None, metadata=metadata, timeout=timeout,
+                          priority=priority)
+        self.job_id = job_id
+        self.builder = MessageBuilder(self.app, BATCH_LINE_TASK, self.settings.queue, priority) \
+            if self.broker is not None else None
+        self.kwargs = {"timeout": timeout, "priority": priority}
+        self.total = self.max_line = 0
+        try:
+            if path is not None and count_request_lines(path, limits.max_lines) > limits.max_lines:
+                return self._fail("too_many_lines", f"{path} has more than {limits.max_lines} request lines "
+                                                    "(BATCHERY_BATCH__MAX_LINES)")
+            if path is not None:
+                with open(path, "rb") as f:
+                    stopped = self._submit(parse_stream(f, limits.max_line_bytes), limits.max_lines)
+            else:
+                stopped = self._submit(self._parse_items(source, limits.max_line_bytes), limits.max_lines)
+        except BaseException as exc:
+            self._fail("submission_interrupted", f"the submission stopped after {self.total} request lines: "
+                                                 f"{type(exc).__name__}: {exc}"[:500])
+            raise
+        if stopped:
+            return job_id
+        if self.total == 0:
+            return self._fail("empty_file", "the input has no request lines")
+        self.store.end_submit(job_id, self.total, self.max_line)
+        return job_id
+
+    # -- internals --------------------------------------------------------------------------------
+    @staticmethod
+    def _parse_items(items: Iterable, max_line_bytes: int):
+        seen: set[str] = set()
+        for n, item in enumerate(items, 1):
+            if isinstance(item, (str, bytes, bytearray)):
+                parsed = parse_line(bytes(item) if isinstance(item, bytearray) else item, n, seen,
+                                    max_line_bytes=max_line_bytes)
+                if parsed is None:
+                    continue
+            else:
+                parsed = parse_object(item, n, seen)
+            yield parsed
+
+    def _submit(self, items, max_lines: int) -> bool:
+        """Enqueue everything; True if the job was stopped (cancelled or failed) on the way."""
+        messages: list = []
+        errors: list[LineError] = []
+        for item in items:
+            if self.total + len(messages) + len(errors) >= max_lines:
+                if self._flush(messages, errors):
+                    return True
+                self._fail("too_many_lines", f"the input has more than {max_lines} request lines "
+                                             "(BATCHERY_BATCH__MAX_LINES)")
+                return True
+            if isinstance(item, BatchLine):
+                messages.append(self._message(item))
+            else:
+                errors.append(item)
+            self.max_line = item.line
+            if len(messages) + len(errors) >= self.chunk_size:
+                if self._flush(messages, errors):
+                    return True
+                messages, errors = [], []
+        return self._flush(messages, errors)
+
+    def _message(self, item: BatchLine):
+        kwargs = {"job": self.job_id, "line": item.line, "custom_id": item.custom_id, "url": item.url,
+                  "body": item.body, **self.kwargs}
+        task_id = f"{self.job_id}-{item.line}"
+        if self.builder is None:
+            return task_id, kwargs
+        return self.builder.build(task_id, kwargs, f"{{'job': '{self.job_id}', 'line': {item.line}}}")
+
+    def _flush(self, messages: list, errors: list[LineError]) -> bool:
+        """Record the chunk in the job (counts first, so progress never shows more done than
+        total), then enqueue its messages. True if the job has been stopped meanwhile."""
+        n = len(messages) + len(errors)
+        with self.store.r.pipeline(transaction=False) as p:
+            for e in errors:
+                self.store.write_in(p, self.job_id, e.line, line_error_record(self.job_id, e), failed=True)
+            self.store.queue_chunk(p, self.job_id, n, self.max_line)
+            status = p.execute()[-1]
+        self.total += n
+        status = status.decode() if isinstance(status, bytes) else status
+        if status is None or status in STOPPED_STATUSES:
+            self.store.end_submit(self.job_id, self.total, self.max_line)
+            return True
+        if messages:
+            if self.builder is not None:
+                with self.broker.pipeline(transaction=False) as p:
+                    self.builder.push(p, messages)
+                    p.execute()
+            else:
+                self._send_tasks(messages)
+        return False
+
+    def _send_tasks(self, messages: list) -> None:
+        with self.app.producer_or_acquire() as producer, producer.batch(self.chunk_size):
+            for task_id, kwargs in messages:
+                self.app.send_task(BATCH_LINE_TASK, kwargs=kwargs, task_id=task_id, queue=self.settings.queue,
+                                   priority=self.kwargs["priority"], ignore_result=True, producer=producer)
+
+    def _fail(self, code: str, message: str) -> str:
+        try:
+            self.store.end_submit(self.job_id, self.total, self.max_line,
+                                  [{"code": code, "message": message, "line": None}])
+        except Exception:  # noqa: BLE001 - reporting the failure must not hide the original error
+            pass
+        return self.job_id
+
+
+def make_submitter(client) -> Submitter:
+    from tasks.jobs import redis_from_url
+
+    broker = redis_from_url(client.settings.broker_url) if is_redis_url(client.settings.broker_url) else None
+    return Submitter(client.jobs, broker, client.app, client.settings)
