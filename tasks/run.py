@@ -1,0 +1,184 @@
+"""``batchery run FILE -o OUT.jsonl [--errors ERR.jsonl]``: the main job, in one command.
+
+With no ``BATCHERY_BROKER_URL`` in the environment it brings up the embedded stack
+(``tasks.embedded``: a private Redis and a worker), submits the file, shows the progress bar,
+writes the results and tears everything down. With a broker URL it submits to that cluster and
+waits. Output files appear whole or not at all (a temporary file, fsynced, then renamed), so
+Ctrl-C never leaves a half-written one.
+
+Exit codes: 0 the job completed (some lines may have failed: see the errors); 1 the job failed or
+was cancelled, or the stack broke; 2 bad arguments or input; 130 interrupted (Ctrl-C, SIGTERM)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from contextlib import ExitStack
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_JOB = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, handled like Ctrl-C."""
+
+
+def _interrupt(signum, frame) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def _atomic_target(path: Path, stack: ExitStack):
+    """An open temporary file next to ``path``; renamed onto it by ``commit``, removed otherwise."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    f = os.fdopen(fd, "w", encoding="utf-8", newline="\n")
+
+    def discard() -> None:
+        if not f.closed:
+            f.close()
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+    stack.callback(discard)
+    return f, tmp
+
+
+def write_results(records: Iterable[dict], out: str | Path | None, errors: str | Path | None = None,
+                  stdout=None) -> tuple[int, int]:
+    """Write records (in the order given) as JSONL: outputs to ``out``, errors to ``errors`` if
+    given, else inline. Files are replaced atomically once complete; ``out`` None or ``-`` writes
+    to ``stdout``. Returns ``(num_ok, num_errors)``."""
+    num_ok = num_err = 0
+    with ExitStack() as stack:
+        targets = []
+        if out is None or str(out) == "-":
+            out_f = stdout or sys.stdout
+        else:
+            out_f, tmp = _atomic_target(Path(out), stack)
+            targets.append((out_f, tmp, Path(out)))
+        err_f = out_f
+        if errors is not None:
+            err_f, tmp = _atomic_target(Path(errors), stack)
+            targets.append((err_f, tmp, Path(errors)))
+        for rec in records:
+            failed = rec.get("error") is not None
+            (err_f if failed else out_f).write(json.dumps(rec, separators=(",", ":")) + "\n")
+            if failed:
+                num_err += 1
+            else:
+                num_ok += 1
+        for f, tmp, final in targets:
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        for f, tmp, final in targets:
+            os.replace(tmp, final)
+    return num_ok, num_err
+
+
+def summary(job, wall: float, num_ok: int, num_err: int) -> dict:
+    end = job.completed_at or job.cancelled_at or job.failed_at or time.time()
+    job_s = max(end - job.created_at, 1e-9)
+    return {
+        "job": job.id, "status": job.status, "lines_ok": num_ok, "lines_failed": num_err,
+        "request_counts": job.request_counts.model_dump(), "prompt_tokens": job.usage.prompt_tokens,
+        "completion_tokens": job.usage.completion_tokens, "wall_s": round(wall, 3), "job_s": round(job_s, 3),
+        "completion_tokens_per_s": round(job.usage.completion_tokens / job_s, 2),
+        "errors": [e.model_dump() for e in job.errors],
+    }
+
+
+def print_summary(s: dict, out_path, err_path, stream) -> None:
+    where = f"{out_path}" + (f", errors in {err_path}" if err_path else "")
+    print(f"batchery run: {s['status']} {s['job']}: {s['lines_ok']} lines ok, {s['lines_failed']} failed -> {where}",
+          file=stream)
+    print(f"  tokens: {s['prompt_tokens']} prompt + {s['completion_tokens']} completion; wall {s['wall_s']:.1f} s "
+          f"(job {s['job_s']:.1f} s); {s['completion_tokens_per_s']:.1f} completion tokens/s", file=stream)
+    for e in s["errors"]:
+        print(f"  job error: {e['code']}: {e['message']}", file=stream)
+
+
+def run_job(file: str, out: str, errors: str | None = None, *, timeout: float | None = None,
+            priority: int | None = None, metadata: dict | None = None, model: str | None = None,
+            as_json: bool = False, progress: bool = True) -> int:
+    """The ``batchery run`` command. Returns the exit code."""
+    from pydantic import ValidationError
+
+    from tasks.client import Client
+    from tasks.embedded import EmbeddedStack, StackError
+    from worker.errors import InvalidRequest
+    from worker.settings import Settings
+
+    t0 = time.monotonic()
+    if not Path(file).is_file():
+        print(f"batchery run: no such file: {file}", file=sys.stderr)
+        return EXIT_USAGE
+    embedded = not os.environ.get("BATCHERY_BROKER_URL")
+    old = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    stack = client = job_id = None
+    workdir = None
+    keep_workdir = False
+    try:
+        try:
+            overrides = {"model": model} if model else {}
+            if embedded:
+                workdir = tempfile.mkdtemp(prefix="batchery-run-")
+                stack = EmbeddedStack(Path(workdir), model=model)
+                url = stack.start()
+                settings = Settings(broker_url=url, result_backend=url, queue=None, **overrides)
+                print(f"batchery run: embedded Redis and a worker for {settings.model} (worker log "
+                      f"{stack.worker_log})", file=sys.stderr)
+            else:
+                settings = Settings(**overrides)
+            client = Client(settings=settings)
+            job_id = client.submit_batch(file, timeout=timeout, priority=priority, metadata=metadata)
+            print(f"batchery run: submitted {file} as {job_id} on queue {settings.queue}", file=sys.stderr)
+            check = (lambda _st: stack.check()) if stack is not None else None
+            job = client.wait_batch(job_id, progress=progress, on_update=check)
+            num_ok, num_err = write_results(client.batch_results(job_id), out, errors)
+        except (InvalidRequest, ValidationError) as exc:
+            print(f"batchery run: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        except StackError as exc:
+            keep_workdir = True
+            print(f"batchery run: {exc}\n(logs kept in {workdir})", file=sys.stderr)
+            return EXIT_JOB
+        except KeyboardInterrupt as exc:
+            why = f"{exc}" if isinstance(exc, Interrupted) else "Ctrl-C"
+            print(f"\nbatchery run: interrupted ({why}); no output written", file=sys.stderr)
+            if client is not None and job_id is not None and not embedded:
+                try:
+                    client.cancel_batch(job_id)
+                    print(f"batchery run: cancelled {job_id}", file=sys.stderr)
+                except Exception as cancel_exc:  # noqa: BLE001
+                    print(f"batchery run: could not cancel {job_id}: {cancel_exc}", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        s = summary(job, time.monotonic() - t0, num_ok, num_err)
+        if as_json:
+            print(json.dumps(s))
+        print_summary(s, out, errors, sys.stderr)
+        return EXIT_OK if job.status == "completed" else EXIT_JOB
+    finally:
+        # Teardown must finish: a second Ctrl-C now would orphan the children.
+        previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            if client is not None:
+                client.close()
+            if stack is not None:
+                stack.stop()
+            if workdir is not None and not keep_workdir:
+                import shutil
+
+                shutil.rmtree(workdir, ignore_errors=True)
+        finally:
+            signal.signal(signal.SIGINT, previous_int)
+            for s, h in old.items():
+                signal.signal(s, h)
