@@ -8,9 +8,12 @@ and the p50/p99 of the time the queue adds to each request:
 
     added = (engine_added_at - enqueued_at) + (received_at - engine_finished_at)
 
-i.e. publish, broker, worker fetch, validation and hand-off to the engine loop on the way in;
-result shaping, the result backend and the client wake-up on the way out. ``received_at`` is
-taken by a Redis pub/sub listener on the results' channels, so a slow consumer does not inflate it.
+i.e. publish, broker, worker fetch, validation and hand-off to the engine loop on the way in
+(which includes waiting for the engine's current step to end: long steps on a CPU make this
+the biggest part; the printed breakdown shows it); result shaping, the result backend and the
+client wake-up on the way out. ``received_at`` is taken by a Redis pub/sub listener on the
+results' channels, so the order in which the benchmark collects results does not inflate it.
+The worker's own batching, step count and time per step are printed beside the direct run's.
 
 Reference workload (``benchmarks/workload.py``): N=64 chat requests, seed 0, "Summarize this
 text: " + 20..300 random words from a fixed vocabulary, max_tokens uniform in 16..128, ignore_eos;
