@@ -99,7 +99,10 @@ def parse_line(raw: bytes | str, line: int, seen: set[str] | None = None, *,
     if not raw.strip():
         return None
     try:
-        obj = _loads(raw)
+        text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw  # UTF-8 only, as OpenAI
+        if line == 1 and text.startswith("\ufeff"):  # a byte-order mark some editors write
+            text = text[1:]
+        obj = _loads(text)
     except RecursionError:
         return LineError(line, None, INVALID_JSON, "invalid JSON: nested too deeply")
     except UnicodeDecodeError as exc:
