@@ -42,7 +42,7 @@ log = logging.getLogger("batchery.batch")
 
 BATCH_LINE_TASK = "batchery.batch_line"
 RUNNERS = {CHAT_URL: run_chat, COMPLETIONS_URL: run_completion}
-WRITE_ATTEMPTS = 5  # a finished line's record is worth a few tries if Redis blips
+REDIS_ATTEMPTS = 5  # 0.5 + 1 + 2 + 4 s of backoff before a Redis outage fails the task
 
 _lock = threading.Lock()
 
@@ -69,7 +69,7 @@ def batch_line(self, job: str, line: int, custom_id: str, url: str, body: dict, 
         lease = resolve_timeout(timeout, settings) + settings.retry_backoff_max + LEASE_GRACE_S
     except InvalidRequest:
         lease = settings.max_task_timeout + LEASE_GRACE_S
-    claim = store.claim(job, line, lease)
+    claim = _retrying(f"claiming line {line} of {job}", store.claim, job, line, lease)
     if claim != "run":
         return f"skipped ({claim})"
     run = RUNNERS.get(url)
@@ -78,10 +78,10 @@ def batch_line(self, job: str, line: int, custom_id: str, url: str, body: dict, 
             raise InvalidRequest(f"unsupported url {url!r}")
         response = run(self, body, timeout, priority=priority, cancelled=lambda: watch.stopped(job))
     except RequestCancelled:
-        store.release(job, line)
+        _retrying(f"releasing line {line} of {job}", store.release, job, line)
         return "cancelled"
     except (Retry, Reject):
-        store.release(job, line)
+        _retrying(f"releasing line {line} of {job}", store.release, job, line)
         raise
     except ContextLengthExceeded as exc:
         record = _error(self, job, line, custom_id, CONTEXT_LENGTH_EXCEEDED, exc, 400)
@@ -107,18 +107,24 @@ def _error(task, job: str, line: int, custom_id: str, code: str, exc, status_cod
 
 def _store(store: JobStore, job: str, line: int, record: dict, failed: bool, prompt_tokens: int = 0,
            completion_tokens: int = 0) -> str:
-    import redis
-
-    for attempt in range(WRITE_ATTEMPTS):
-        try:
-            new, status = store.write(job, line, record, failed, prompt_tokens, completion_tokens)
-            break
-        except (redis.ConnectionError, redis.TimeoutError):
-            if attempt == WRITE_ATTEMPTS - 1:
-                raise
-            log.warning("batch %s line %d: Redis unavailable while storing the record; retrying", job, line)
-            time.sleep(0.5 * 2 ** attempt)
+    new, status = _retrying(f"storing line {line} of {job}", store.write, job, line, record, failed, prompt_tokens,
+                            completion_tokens)
     outcome = "failed" if failed else "ok"
     if status == "gone":
         return f"{outcome}, not recorded: job {job} no longer exists"
     return f"{outcome} (job {status})" if new else f"{outcome}, already recorded (duplicate delivery)"
+
+
+def _retrying(what: str, fn, *args):
+    """``fn(*args)``, retried with backoff while Redis is unreachable (a finished line's record is
+    worth a few seconds; the scripts are idempotent, so a retry after a lost reply is safe)."""
+    import redis
+
+    for attempt in range(REDIS_ATTEMPTS):
+        try:
+            return fn(*args)
+        except (redis.ConnectionError, redis.TimeoutError):
+            if attempt == REDIS_ATTEMPTS - 1:
+                raise
+            log.warning("batch: Redis unavailable while %s; retrying", what)
+            time.sleep(0.5 * 2 ** attempt)

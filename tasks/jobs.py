@@ -276,7 +276,7 @@ class JobStore:
         new, status = self._write(keys=self.keys(job_id), args=self._write_args(
             line, record, failed, prompt_tokens, completion_tokens))
         status = _s(status)
-        if status == "finalizing" and new:
+        if status == "finalizing":  # this was the last line (or a retry of it whose reply was lost)
             status = self.finalize(job_id)
         return bool(new), status
 

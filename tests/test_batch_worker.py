@@ -111,6 +111,12 @@ def test_mixed_job_every_line_accounted_for_in_input_order(bclient, tmp_path, ti
     assert records[0]["response"]["body"]["choices"][0]["message"]["content"] == direct.choices[0].message.content
 
 
+def test_priority_jobs_are_consumed_too(bclient):
+    # priorities 1-9 go to kombu's priority lists next to the queue; the worker reads them all
+    job = bclient.wait_batch(bclient.submit_batch([req("p1"), req("p2")], priority=9), timeout=60)
+    assert job.status == "completed" and job.request_counts.completed == 2 and job.priority == 9
+
+
 # -- 2. idempotency end to end ----------------------------------------------------------------------------
 def test_each_line_delivered_twice_counts_once(bclient, tiny_worker):
     """Every message is on the queue twice, as after a redelivery: each line is recorded and
