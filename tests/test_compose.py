@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from worker.settings import EngineOptions, Settings
+from worker.settings import BatchOptions, EngineOptions, Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"
@@ -87,9 +87,11 @@ def command_text(cmd) -> str:
 
 
 def setting_env_names() -> set[str]:
-    """Every BATCHERY_* variable the worker's Settings reads (nested engine options with ``__``)."""
-    names = {f"BATCHERY_{name.upper()}" for name in Settings.model_fields if name != "engine"}
-    names |= {f"BATCHERY_ENGINE__{name.upper()}" for name in EngineOptions.model_fields}
+    """Every BATCHERY_* variable the worker's Settings reads (nested engine and batch options with ``__``)."""
+    nested = {"engine": EngineOptions, "batch": BatchOptions}
+    names = {f"BATCHERY_{name.upper()}" for name in Settings.model_fields if name not in nested}
+    for group, model in nested.items():
+        names |= {f"BATCHERY_{group.upper()}__{name.upper()}" for name in model.model_fields}
     return names
 
 
