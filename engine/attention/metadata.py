@@ -34,6 +34,7 @@ class AttentionMetadata:
     prefill_max_q: int = 0
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     backend: str = "torch"  # "torch" | "triton"
+    masks: dict = field(default_factory=dict)  # per-step masks cached across layers, keyed by shape/window
 
 
 _local = threading.local()

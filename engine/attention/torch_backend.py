@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, PrefillSeq
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -47,6 +47,32 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return g.view(b, nb * bs, hkv, d).transpose(1, 2)
 
 
+def _decode_mask(md: AttentionMetadata, width: int, sliding_window: int | None) -> torch.Tensor:
+    key = ("decode", width, sliding_window)
+    mask = md.masks.get(key)
+    if mask is None:
+        ctx = md.decode_context_lens  # [B]; the query sits at position ctx - 1
+        pos = torch.arange(width, device=ctx.device)
+        valid = pos[None, :] < ctx[:, None]
+        if sliding_window:
+            valid &= pos[None, :] > (ctx[:, None] - 1 - sliding_window)
+        mask = md.masks[key] = valid[:, None, None, :]
+    return mask
+
+
+def _prefill_mask(md: AttentionMetadata, p: PrefillSeq, sliding_window: int | None) -> torch.Tensor:
+    key = (p.q_start, sliding_window)
+    mask = md.masks.get(key)
+    if mask is None:
+        qpos = torch.arange(p.context_len - p.q_len, p.context_len, device=md.slot_mapping.device)[:, None]
+        kpos = torch.arange(p.context_len, device=md.slot_mapping.device)[None, :]
+        m = kpos <= qpos
+        if sliding_window:
+            m &= kpos > qpos - sliding_window
+        mask = md.masks[key] = m[None, None]  # [1, 1, Q, C]
+    return mask
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, md: AttentionMetadata, scale: float,
                     sliding_window: int | None, softcap: float | None) -> torch.Tensor:
@@ -54,15 +80,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty_like(q)
     nd = md.num_decode_tokens
     if nd:
-        kc = _gather(k_cache, md.decode_block_tables)
+        kc = _gather(k_cache, md.decode_block_tables)  # [B, Hkv, C, D]
         vc = _gather(v_cache, md.decode_block_tables)
-        ctx = md.decode_context_lens  # [B]
-        pos = torch.arange(kc.shape[2], device=q.device)
-        valid = pos[None, :] < ctx[:, None]  # [B, C]
-        if sliding_window:
-            valid &= pos[None, :] > (ctx[:, None] - 1 - sliding_window)
-        o = _attend(q[:nd].unsqueeze(2), kc, vc, valid[:, None, None, :], scale, softcap)  # [B, H, 1, D]
-        out[:nd] = o.squeeze(2)
+        mask = _decode_mask(md, kc.shape[2], sliding_window)  # [B, 1, 1, C], shared by all layers
+        hkv = kc.shape[1]
+        if softcap:
+            o = _attend(q[:nd].unsqueeze(2), kc, vc, mask, scale, softcap)  # [B, H, 1, D]
+        else:
+            # The query heads sharing a KV head act as that head's queries at one position, so one
+            # SDPA call reads each KV head once instead of once per query head.
+            qg = q[:nd].view(nd, hkv, -1, q.shape[-1])  # [B, Hkv, G, D]
+            o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=scale)
+        out[:nd] = o.reshape(nd, q.shape[1], q.shape[2])
     for p in md.prefills:
         qs = q[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
         if p.block_table is None:
@@ -73,12 +102,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             vs = _gather(v_cache, p.block_table[None])[:, :, : p.context_len]
         mask = None
         if sliding_window or p.block_table is not None:
-            qpos = torch.arange(p.context_len - p.q_len, p.context_len, device=q.device)[:, None]
-            kpos = torch.arange(p.context_len, device=q.device)[None, :]
-            m = kpos <= qpos
-            if sliding_window:
-                m &= kpos > qpos - sliding_window
-            mask = m[None, None]
+            mask = _prefill_mask(md, p, sliding_window)
         o = _attend(qs, ks, vs, mask, scale, softcap, is_causal=mask is None)
         out[p.q_start : p.q_start + p.q_len] = o[0].transpose(0, 1)
     return out
