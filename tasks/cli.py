@@ -133,8 +133,8 @@ def _print_job(job) -> None:
     print(f"tokens:    {u.prompt_tokens} prompt, {u.completion_tokens} completion")
     print(f"queue:     {job.queue}  (model {job.model or '-'})")
     print(f"input:     {job.input_file or '(iterable)'}")
-    ends = [(name, getattr(job, f"{name}_at")) for name in ("in_progress", "finalizing", "completed", "failed",
-                                                            "cancelling", "cancelled")]
+    ends = [(name, getattr(job, f"{name}_at")) for name in ("started", "in_progress", "finalizing", "completed",
+                                                            "failed", "cancelling", "cancelled")]
     print(f"created:   {_ts(job.created_at)}" + "".join(f"; {n} {_ts(t)}" for n, t in ends if t is not None))
     print(f"expires:   {_ts(job.expires_at)}")
     if job.metadata:

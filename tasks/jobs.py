@@ -67,12 +67,13 @@ local function num(job, field)
 end
 """
 
-# KEYS: job, results, running   ARGV: line, lease deadline
+# KEYS: job, results, running   ARGV: line, lease deadline, now
 _CLAIM = _PRELUDE + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'gone' end
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 'done' end
 if status ~= 'validating' and status ~= 'in_progress' then return status end
+redis.call('HSETNX', KEYS[1], 'started_at', ARGV[3])
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
 inherit_ttl(KEYS[3], KEYS[1])
 return 'run'
@@ -155,8 +156,8 @@ finish(KEYS[1], KEYS[2], KEYS[3], 'completed', ARGV[1], ARGV[2])
 return 'completed'
 """
 
-_FLOAT_FIELDS = ("created_at", "in_progress_at", "finalizing_at", "completed_at", "failed_at", "cancelling_at",
-                 "cancelled_at", "expires_at")
+_FLOAT_FIELDS = ("created_at", "started_at", "in_progress_at", "finalizing_at", "completed_at", "failed_at",
+                 "cancelling_at", "cancelled_at", "expires_at")
 
 
 class JobNotFound(KeyError):
@@ -267,7 +268,8 @@ class JobStore:
     def claim(self, job_id: str, line: int, lease_s: float) -> str:
         """``"run"`` (the caller holds the line's lease), ``"done"`` (it has a record), ``"gone"``
         (no such job) or the job's status when lines must not run."""
-        return _s(self._claim(keys=self.keys(job_id), args=[_line_key(line), repr(time.time() + lease_s)]))
+        now = time.time()
+        return _s(self._claim(keys=self.keys(job_id), args=[_line_key(line), repr(now + lease_s), repr(now)]))
 
     def write(self, job_id: str, line: int, record: dict, failed: bool, prompt_tokens: int = 0,
               completion_tokens: int = 0) -> tuple[bool, str]:

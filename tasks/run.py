@@ -87,11 +87,14 @@ def write_results(records: Iterable[dict], out: str | Path | None, errors: str |
 def summary(job, wall: float, num_ok: int, num_err: int) -> dict:
     end = job.completed_at or job.cancelled_at or job.failed_at or time.time()
     job_s = max(end - job.created_at, 1e-9)
+    # generation time: from the first line a worker started (after the model loaded) to the end
+    running_s = max(end - (job.started_at or job.created_at), 1e-9)
     return {
         "job": job.id, "status": job.status, "lines_ok": num_ok, "lines_failed": num_err,
         "request_counts": job.request_counts.model_dump(), "prompt_tokens": job.usage.prompt_tokens,
         "completion_tokens": job.usage.completion_tokens, "wall_s": round(wall, 3), "job_s": round(job_s, 3),
-        "completion_tokens_per_s": round(job.usage.completion_tokens / job_s, 2),
+        "running_s": round(running_s, 3),
+        "completion_tokens_per_s": round(job.usage.completion_tokens / running_s, 2),
         "errors": [e.model_dump() for e in job.errors],
     }
 
@@ -100,8 +103,8 @@ def print_summary(s: dict, out_path, err_path, stream) -> None:
     where = f"{out_path}" + (f", errors in {err_path}" if err_path else "")
     print(f"batchery run: {s['status']} {s['job']}: {s['lines_ok']} lines ok, {s['lines_failed']} failed -> {where}",
           file=stream)
-    print(f"  tokens: {s['prompt_tokens']} prompt + {s['completion_tokens']} completion; wall {s['wall_s']:.1f} s "
-          f"(job {s['job_s']:.1f} s); {s['completion_tokens_per_s']:.1f} completion tokens/s", file=stream)
+    print(f"  tokens: {s['prompt_tokens']} prompt + {s['completion_tokens']} completion; wall {s['wall_s']:.1f} s, "
+          f"generating {s['running_s']:.1f} s: {s['completion_tokens_per_s']:.1f} completion tokens/s", file=stream)
     for e in s["errors"]:
         print(f"  job error: {e['code']}: {e['message']}", file=stream)
 

@@ -347,6 +347,7 @@ class BatchJob(_Open):
     queue: str
     model: str | None = None
     created_at: float
+    started_at: float | None = None  # Batchery: when a worker started the first line
     in_progress_at: float | None = None
     finalizing_at: float | None = None
     completed_at: float | None = None

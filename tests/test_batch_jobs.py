@@ -123,7 +123,7 @@ def test_transitions_timestamps_and_ttl(store):
     assert store.write(job, 2, ok(job, 2), False) == (True, "completed")  # finalizing -> completed
     st = store.status(job)
     assert st.in_progress_at and st.finalizing_at and st.completed_at
-    assert st.created_at <= st.in_progress_at <= st.finalizing_at <= st.completed_at
+    assert st.created_at <= st.started_at <= st.in_progress_at <= st.finalizing_at <= st.completed_at
     assert st.expires_at == pytest.approx(st.completed_at + 600, abs=1)
     for key in store.keys(job)[:2]:
         assert 0 < store.r.ttl(key) <= 600

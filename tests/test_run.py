@@ -155,7 +155,8 @@ def test_run_embedded_on_the_example_with_the_default_model(tmp_path):
         assert proc.returncode == 0, proc.stderr
         assert "embedded Redis and a worker for smollm2-135m-instruct" in proc.stderr
         assert re.search(r"completed batch_\w+: 19 lines ok, 1 failed", proc.stderr), proc.stderr
-        assert re.search(r"tokens: \d+ prompt \+ \d+ completion; wall [\d.]+ s .*completion tokens/s", proc.stderr)
+        assert re.search(r"tokens: \d+ prompt \+ \d+ completion; wall [\d.]+ s, generating [\d.]+ s: [\d.]+ "
+                         r"completion tokens/s", proc.stderr)
         oks = [json.loads(x) for x in out.read_text().splitlines()]
         assert [r["custom_id"] for r in oks] == [f"request-{i}" for i in range(1, 19)] + ["request-completion"]
         for r in oks:
