@@ -49,21 +49,23 @@ def check_options(timeout, priority, metadata) -> tuple[float | None, int, dict[
     return (None if timeout is None else float(timeout)), priority, metadata
 
 
-def count_request_lines(path: Path, max_lines: int) -> int:
-    """Non-blank lines in ``path``, counted only as far as needed to tell whether it exceeds
-    ``max_lines`` (a cheap newline count settles the common case)."""
-    newlines = 0
+def exceeds_max_lines(path: Path, max_lines: int) -> bool:
+    """Whether ``path`` has more than ``max_lines`` non-blank lines. A newline count settles the
+    common case; otherwise the non-blank lines are counted, reading in bounded pieces."""
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            newlines += block.count(b"\n")
+        newlines = sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 20), b""))
     if newlines + 1 <= max_lines:
-        return min(newlines + 1, max_lines)
-    n = 0
+        return False
+    n, blank = 0, True
     with open(path, "rb") as f:
-        for raw in iter(lambda: f.readline(1 << 16), b""):
-            if raw.strip():
-                n += 1
-    return n
+        for piece in iter(lambda: f.readline(1 << 16), b""):
+            blank = blank and not piece.strip()
+            if piece.endswith(b"\n"):
+                n += not blank
+                blank = True
+                if n > max_lines:
+                    return True
+    return n + (not blank) > max_lines
 
 
 class Submitter:
@@ -92,7 +94,7 @@ class Submitter:
         self.kwargs = {"timeout": timeout, "priority": priority}
         self.total = self.max_line = 0
         try:
-            if path is not None and count_request_lines(path, limits.max_lines) > limits.max_lines:
+            if path is not None and exceeds_max_lines(path, limits.max_lines):
                 return self._fail("too_many_lines", f"{path} has more than {limits.max_lines} request lines "
                                                     "(BATCHERY_BATCH__MAX_LINES)")
             if path is not None:

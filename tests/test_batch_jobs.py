@@ -270,6 +270,16 @@ def test_job_level_failures(client, tmp_path):
     assert st.status == "failed" and st.errors[0].code == "too_many_lines"
 
 
+def test_line_counting_for_the_limit(tmp_path):
+    from tasks.submit import exceeds_max_lines
+
+    path = tmp_path / "f.jsonl"
+    path.write_bytes(b"a\n\n  \n" + b"x" * 200_000 + b"\nb\n\n")  # 3 non-blank lines, one of them long
+    assert not exceeds_max_lines(path, 3) and exceeds_max_lines(path, 2)
+    path.write_bytes(b"a\nb\nc")  # no final newline
+    assert not exceeds_max_lines(path, 3) and exceeds_max_lines(path, 2)
+
+
 @pytest.mark.parametrize("bad, needle", [
     (dict(timeout=0), "timeout must be a positive number"),
     (dict(priority=10), "priority must be an integer from 0"),
