@@ -51,7 +51,7 @@ def client(prefix):
                                  batch={"key_prefix": prefix, "max_line_bytes": 4096, "ttl": 600}))
     yield c
     r = redis_client(TEST_BROKER_URL)
-    keys = list(r.scan_iter(match=f"{queue}*"))
+    keys = list(r.scan_iter(match=f"{queue}*")) + list(r.scan_iter(match=f"_kombu.binding*.{queue}"))
     if keys:
         r.delete(*keys)
     c.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -182,6 +183,12 @@ def long_job(path: Path, n: int = 40) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def run_dir_of(stderr_path: Path) -> Path | None:
+    """The run's temporary directory (it holds the logs), as the run announced it."""
+    m = re.search(r"worker log (\S+)/worker\.log\)", stderr_path.read_text(errors="replace"))
+    return Path(m.group(1)) if m else None
+
+
 def worker_log_of(stderr_path: Path) -> Path:
     def found():
         m = re.search(r"worker log (\S+)\)", stderr_path.read_text(errors="replace"))
@@ -215,6 +222,7 @@ def test_ctrl_c_mid_job_leaves_no_processes_and_no_output(tiny_model_dir, tmp_pa
         assert "interrupted (Ctrl-C); no output written" in stderr and "Traceback" not in stderr
         assert not out.exists() and list(tmp_path.glob(".out.jsonl*")) == []
         assert leftovers(tag, tree) == []
+        assert not run_dir_of(tmp_path / "stderr.txt").exists()  # its logs went with it
     finally:
         kill_all(proc, tag, tree)
 
@@ -233,6 +241,8 @@ def test_sigkill_of_the_command_takes_its_children_down(tiny_model_dir, tmp_path
         wait_for(lambda: leftovers(tag, tree) == [], 30, what="the orphaned Redis and worker to die")
     finally:
         kill_all(proc, tag, tree)
+        # a SIGKILLed run cannot remove its own directory
+        shutil.rmtree(run_dir_of(tmp_path / "stderr.txt") or tmp_path / "none", ignore_errors=True)
 
 
 def kill_all(proc: subprocess.Popen, tag: str, tree: Tree) -> None:
@@ -258,7 +268,10 @@ def test_run_reports_a_worker_that_cannot_start(tmp_path):
         stderr = (tmp_path / "stderr.txt").read_text()
         assert proc.returncode == 1, stderr
         assert "the worker exited with code 3" in stderr and "could not load model" in stderr
+        kept = re.search(r"\(logs kept in (\S+)\)", stderr)
+        assert kept and (Path(kept.group(1)) / "worker.log").exists()
         assert not (tmp_path / "o.jsonl").exists()
         assert tree.seen and leftovers(tag, tree) == []
     finally:
         kill_all(proc, tag, tree)
+        shutil.rmtree(run_dir_of(tmp_path / "stderr.txt") or tmp_path / "none", ignore_errors=True)
