@@ -21,7 +21,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit pool size; overrides kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for the KV pool; None -> a default budget
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "triton"
     trust_remote_code: bool = False
     seed: int = 0
 
@@ -37,5 +37,5 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}")

@@ -83,7 +83,15 @@ class ModelRunner:
 
     def _pick_backend(self) -> str:
         want = self.config.attention_backend
-        if want == "torch" or (want == "auto" and self.device.type != "cuda"):
+        if want == "torch":
+            return "torch"
+        if want in ("auto", "cpu") and self.device.type == "cpu":
+            from engine.attention import cpu_paged
+
+            if cpu_paged.supports_dtype(self.dtype) and cpu_paged.load() is not None:
+                return "cpu"
+            if want == "cpu":
+                raise RuntimeError("attention_backend='cpu' but the CPU kernel could not be built (see the log)")
             return "torch"
         if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError("attention_backend='triton' on the CPU needs TRITON_INTERPRET=1 (set before start)")

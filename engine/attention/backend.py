@@ -28,7 +28,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         from engine.attention import triton_backend
 
         out = triton_backend.paged_attention(q, k, v, k_cache, v_cache, md, scale, sliding_window, softcap)
-    else:
+    else:  # "torch" reference, or "cpu" (the reference with the C++ decode kernel)
         torch_backend.store_kvcache(k, v, k_cache, v_cache, md.slot_mapping)
         out = torch_backend.paged_attention(q, k, v, k_cache, v_cache, md, scale, sliding_window, softcap)
     return out.unsqueeze(0), None  # [1, T, H, D]

@@ -1,13 +1,16 @@
-"""Torch reference attention over the paged KV cache: correct everywhere, the CPU path.
+"""Torch reference attention over the paged KV cache: correct everywhere.
 
 Decode sequences (one query token each) are attended in one batched call over their gathered
-block tables; prefill chunks are attended one sequence at a time (there are few per step)."""
+block tables; prefill chunks are attended one sequence at a time (there are few per step).
+The "cpu" backend is this path with decode handed to the C++ kernel in ``cpu_paged``, which
+reads the block pool directly instead of gathering a padded copy."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from engine.attention import cpu_paged
 from engine.attention.metadata import AttentionMetadata, PrefillSeq
 
 
@@ -79,7 +82,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """q: [T, H, D]; k, v: [T, Hkv, D] (already stored in the cache). Returns [T, H, D]."""
     out = torch.empty_like(q)
     nd = md.num_decode_tokens
-    if nd:
+    if nd and md.backend == "cpu":
+        out[:nd] = cpu_paged.paged_decode(q[:nd], k_cache, v_cache, md.decode_block_tables,
+                                          md.decode_context_lens, scale, sliding_window, softcap)
+    elif nd:
         kc = _gather(k_cache, md.decode_block_tables)  # [B, Hkv, C, D]
         vc = _gather(v_cache, md.decode_block_tables)
         mask = _decode_mask(md, kc.shape[2], sliding_window)  # [B, 1, 1, C], shared by all layers
