@@ -9,6 +9,8 @@ from engine.sequence import Sequence
 
 
 def _decode(tokenizer, ids: list[int]) -> str:
+    if tokenizer is None:  # token-ids-only engines (benchmarks on random-weight models)
+        return ""
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
