@@ -37,6 +37,7 @@ from tasks.batch import (
 from tasks.chat import resolve_timeout, run_chat, run_completion
 from tasks.jobs import LEASE_GRACE_S, JobStore, JobWatch, redis_from_url
 from worker.errors import ContextLengthExceeded, DeadlineExceeded, EngineFailure, InvalidRequest, RequestCancelled
+from worker.metrics import note_outcome
 
 log = logging.getLogger("batchery.batch")
 
@@ -102,6 +103,7 @@ def batch_line(self, job: str, line: int, custom_id: str, url: str, body: dict, 
 
 
 def _error(task, job: str, line: int, custom_id: str, code: str, exc, status_code: int) -> dict:
+    note_outcome(code)  # the metrics' outcome label: the task itself returns normally
     return error_record(job, line, custom_id, code, str(exc), status_code=status_code, request_id=task.request.id)
 
 

@@ -41,6 +41,7 @@ from tasks.schemas import (
 )
 from worker.engine_service import GenerationRequest, GenerationResult
 from worker.errors import DeadlineExceeded, EngineFailure, EngineUnavailable, InvalidRequest, RequestCancelled
+from worker.metrics import note_result
 
 CHAT_TASK = "batchery.chat_completion"
 COMPLETION_TASK = "batchery.completion"
@@ -118,8 +119,8 @@ def _generate(task, gen: GenerationRequest, timeout,
         if service is None:
             raise EngineUnavailable("this process has no engine service (not a batchery worker)")
         if cancelled is None:
-            return service.generate(gen, deadline)
-        return _generate_cancellable(service, gen, deadline, cancelled)
+            return note_result(service.generate(gen, deadline))
+        return note_result(_generate_cancellable(service, gen, deadline, cancelled))
     except EngineUnavailable as exc:
         # This worker cannot serve (shutting down, or its engine is gone for good): hand the
         # message back untouched for another worker, without spending a retry.

@@ -15,7 +15,9 @@
 
 Bodies are validated here too, so a bad request fails at once, before it is enqueued. ``get``
 raises ``InvalidRequest``, ``DeadlineExceeded``, ``EngineFailure`` (retries exhausted),
-``TaskExpired`` or ``ResultTimeout``. Light: no torch, no engine."""
+``TaskExpired`` or ``ResultTimeout``. A Redis that refuses the URL's password fails the first send
+at once with ``worker.redis_check.RedisAuthError`` (a ``ConnectionError``). Light: no torch, no
+engine."""
 
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ from worker.errors import (
     ResultTimeout,
     TaskExpired,
 )
+from worker.metrics import ENQUEUED_AT_HEADER
 from worker.settings import Settings
 
 __all__ = [
@@ -119,6 +122,7 @@ class Client:
         self.queue = settings.queue
         self.app = make_app(settings)
         self._jobs = None
+        self._credentials_checked = False
 
     def close(self) -> None:
         if self._jobs is not None:
@@ -176,21 +180,36 @@ class Client:
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
 
+    def _check_credentials(self) -> None:
+        """Before the first send: a refused password fails now, clearly, instead of after Celery's
+        reconnect attempts (about 20 s). An unreachable Redis is left to those attempts."""
+        if self._credentials_checked:
+            return
+        from worker.redis_check import check_redis
+
+        check_redis(self.settings.broker_url, "the broker URL")
+        if self.settings.result_backend != self.settings.broker_url:
+            check_redis(self.settings.result_backend, "the result backend URL")
+        self._credentials_checked = True
+
     def _publish(self, name: str, body: dict, timeout, expires, model, producer=None) -> Handle:
         now = time.time()
         result = self.app.send_task(name, kwargs={"body": body, "timeout": timeout}, queue=self.queue,
-                                    task_id=str(uuid.uuid4()), expires=expires, producer=producer)
+                                    task_id=str(uuid.uuid4()), expires=expires, producer=producer,
+                                    headers={ENQUEUED_AT_HEADER: now})  # the worker's queue-wait metric
         return Handle(result, model, now)
 
     def _send(self, name, schema, model, body, timeout, expires) -> Handle:
         self._check(schema, body)
         self._check_timeout(timeout)
+        self._check_credentials()
         return self._publish(name, body, timeout, expires, model)
 
     def _send_many(self, name, schema, model, bodies, timeout, expires) -> list[Handle]:
         for i, body in enumerate(bodies):
             self._check(schema, body, i)
         self._check_timeout(timeout)
+        self._check_credentials()
         with self.app.producer_or_acquire() as producer:
             return [self._publish(name, body, timeout, expires, model, producer) for body in bodies]
 
@@ -213,6 +232,7 @@ class Client:
         request's deadline in seconds; ``priority`` 0 (first, the default) to 9 (last)."""
         from tasks.submit import make_submitter
 
+        self._check_credentials()
         return make_submitter(self).run(source, timeout=timeout, priority=priority, metadata=metadata)
 
     def batch_status(self, job: str | BatchJob) -> BatchJob:

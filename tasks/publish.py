@@ -15,8 +15,11 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import time
 import uuid
 from bisect import bisect
+
+from worker.metrics import ENQUEUED_AT_HEADER
 
 _DUMPS = json.JSONEncoder(separators=(",", ":")).encode
 
@@ -53,6 +56,7 @@ class MessageBuilder:
         headers = copy.copy(self._headers)
         headers["id"] = headers["root_id"] = task_id
         headers["kwargsrepr"] = kwargsrepr
+        headers[ENQUEUED_AT_HEADER] = time.time()  # for the worker's queue-wait metric
         properties = copy.copy(self._properties)
         properties["correlation_id"] = task_id
         properties["delivery_tag"] = str(uuid.uuid4())

@@ -14,6 +14,7 @@ lines than ``BATCHERY_BATCH__MAX_LINES`` (``too_many_lines``), or the submission
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from tasks.batch_tasks import BATCH_LINE_TASK
 from tasks.jobs import STOPPED_STATUSES, JobStore, new_job_id
 from tasks.publish import MessageBuilder, is_redis_url
 from worker.errors import InvalidRequest
+from worker.metrics import ENQUEUED_AT_HEADER
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
@@ -184,7 +186,8 @@ class Submitter:
         with self.app.producer_or_acquire() as producer, producer.batch(self.chunk_size):
             for task_id, kwargs in messages:
                 self.app.send_task(BATCH_LINE_TASK, kwargs=kwargs, task_id=task_id, queue=self.settings.queue,
-                                   priority=self.kwargs["priority"], ignore_result=True, producer=producer)
+                                   priority=self.kwargs["priority"], ignore_result=True, producer=producer,
+                                   headers={ENQUEUED_AT_HEADER: time.time()})
 
     def _fail(self, code: str, message: str) -> str:
         try:

@@ -230,6 +230,8 @@ def test_bulk_messages_match_what_celery_publishes(client):
     r = redis_client(TEST_BROKER_URL)
     reference = json.loads(r.rpop(client.queue))
     built = json.loads(MessageBuilder(client.app, "batchery.batch_line", client.queue).build("tid", kwargs))
+    # the enqueue stamp for the worker's queue-wait metric: a tag, like the delivery tag
+    assert abs(built["headers"].pop("batchery_enqueued_at") - time.time()) < 60
     for m in (reference, built):
         m["body"] = json.loads(base64.b64decode(m["body"]))
         m["properties"].pop("delivery_tag")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from worker.settings import BatchOptions, EngineOptions, Settings
+from worker.settings import Settings, env_variables
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"
@@ -87,12 +87,8 @@ def command_text(cmd) -> str:
 
 
 def setting_env_names() -> set[str]:
-    """Every BATCHERY_* variable the worker's Settings reads (nested engine and batch options with ``__``)."""
-    nested = {"engine": EngineOptions, "batch": BatchOptions}
-    names = {f"BATCHERY_{name.upper()}" for name in Settings.model_fields if name not in nested}
-    for group, model in nested.items():
-        names |= {f"BATCHERY_{group.upper()}__{name.upper()}" for name in model.model_fields}
-    return names
+    """Every BATCHERY_* variable the worker's Settings reads (nested options with ``__``)."""
+    return {var for var, _default, _meaning in env_variables()}
 
 
 def env_example_entries() -> dict[str, str]:

@@ -39,6 +39,7 @@ from worker.errors import (
     WorkerShuttingDown,
 )
 from worker.faults import Fault, StepContext
+from worker.metrics import StepStats
 
 log = logging.getLogger("batchery.worker.engine")
 
@@ -138,6 +139,7 @@ class EngineService:
         self.num_step_seqs = 0
         self.num_step_tokens = 0
         self.step_seconds = 0.0  # wall time inside engine.step()
+        self.step_stats = StepStats()  # per-step histograms and engine counters for /metrics
         self.num_failures = 0
         self.num_rebuilds = 0
         self.num_requests = 0
@@ -374,7 +376,8 @@ class EngineService:
                 steps_before = self.num_steps
                 t_step = time.perf_counter()
                 outputs = engine.step()
-                self.step_seconds += time.perf_counter() - t_step
+                step_s = time.perf_counter() - t_step
+                self.step_seconds += step_s
                 if abandoned.is_set():
                     return  # the supervisor gave up on this engine; its results are void
                 if self.num_steps == steps_before:
@@ -384,6 +387,7 @@ class EngineService:
                 self._failed_rebuilds = 0
                 self.num_step_tokens += engine.last_step_num_tokens
                 self.engine_stats = engine.stats()
+                self.step_stats.observe(gen, step_s, self.engine_stats)
                 if outputs:
                     self._resolve(engine, outputs)
         except EngineAbandoned:

@@ -5,7 +5,7 @@
 - ``/readyz`` (readiness): the model is loaded and the worker is consuming its queue.
 - ``/stats``: the engine service's counters (mean batch size, KV blocks, failures, ...).
 
-More routes (e.g. ``/metrics``) plug in with ``add_route``."""
+More routes plug in with ``add_route``; the worker adds ``/metrics`` (``worker.metrics``)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ class HealthServer:
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="health-http", daemon=True)
         self._thread.start()
-        log.info("health endpoints on http://%s:%d (/healthz, /readyz, /stats)", self.host, self.port)
+        log.info("health endpoints on http://%s:%d (%s)", self.host, self.port, ", ".join(self.routes))
 
     def stop(self) -> None:
         if self._server is not None:

@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 
+from worker.logs import configure_logging
 from worker.settings import Settings, mask_url
 
 log = logging.getLogger("batchery.worker")
@@ -21,18 +22,6 @@ log = logging.getLogger("batchery.worker")
 EXIT_OK = 0
 EXIT_CONFIG = 2
 EXIT_ENGINE_DEAD = 3
-
-LOG_FORMAT = "%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s"
-
-
-def configure_logging(level: str) -> None:
-    root = logging.getLogger()
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(LOG_FORMAT))
-        root.addHandler(handler)
-    root.setLevel(level.upper())
-
 
 def _exit_during_startup(signum, frame) -> None:
     raise SystemExit(EXIT_OK)
@@ -46,6 +35,8 @@ def run_worker(settings: Settings | None = None) -> int:
     from worker.engine_service import EngineService
     from worker.faults import parse_faults
     from worker.health import HealthServer
+    from worker.metrics import WorkerMetrics
+    from worker.redis_check import RedisAuthError, check_redis
 
     try:
         settings = settings or Settings()
@@ -55,13 +46,27 @@ def run_worker(settings: Settings | None = None) -> int:
         configure_logging("INFO")
         log.critical("invalid configuration: %s", exc)
         return EXIT_CONFIG
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
     if threading.current_thread() is threading.main_thread():
         # Until Celery installs its own handlers, SIGTERM means "never mind": nothing is consumed yet.
         signal.signal(signal.SIGTERM, _exit_during_startup)
     log.info("starting worker: model=%s queue=%s broker=%s backend=%s threads=%d faults=%s", settings.model,
              settings.queue, mask_url(settings.broker_url), mask_url(settings.result_backend),
              settings.num_task_threads, settings.faults or "none")
+    # Refused credentials are a configuration error: say so now, not after loading the model and
+    # retrying the connection for minutes. An unreachable Redis is left to Celery's retries.
+    checks = [("BATCHERY_BROKER_URL", settings.broker_url)]
+    if settings.result_backend != settings.broker_url:
+        checks.append(("BATCHERY_RESULT_BACKEND", settings.result_backend))
+    try:
+        for setting, url in checks:
+            problem = check_redis(url, setting)
+            if problem:
+                log.warning("Redis at %s (%s) does not answer yet: %s; the worker keeps trying", mask_url(url),
+                            setting, problem)
+    except RedisAuthError as exc:
+        log.critical("%s; not starting", exc)
+        return EXIT_CONFIG
 
     app = make_app(settings)
     fatal = threading.Event()
@@ -85,6 +90,8 @@ def run_worker(settings: Settings | None = None) -> int:
         log.critical("could not load model %s; not consuming", settings.model, exc_info=True)
         return EXIT_ENGINE_DEAD
     app.batchery_service = service
+    metrics = WorkerMetrics(service, settings, task_names=sorted(n for n in app.tasks if n.startswith("batchery.")))
+    metrics.connect()
     # Everything loaded so far (torch, transformers, the weights' Python objects) lives as long as
     # the process: keep it out of the cyclic GC, whose full passes over it stall the engine loop.
     gc.freeze()
@@ -92,10 +99,12 @@ def run_worker(settings: Settings | None = None) -> int:
     health = None
     if settings.health_port:
         health = HealthServer(service, settings.health_host, settings.health_port)
+        health.add_route("/metrics", metrics.route)
         try:
             health.start()
         except OSError as exc:
             log.critical("cannot serve health endpoints on %s:%d: %s", settings.health_host, settings.health_port, exc)
+            metrics.disconnect()
             service.stop()
             return EXIT_CONFIG
 
@@ -132,6 +141,7 @@ def run_worker(settings: Settings | None = None) -> int:
     finally:
         signals.worker_ready.disconnect(on_ready)
         signals.worker_shutting_down.disconnect(on_shutting_down)
+        metrics.disconnect()
         service.stop()
         if health is not None:
             health.stop()

@@ -51,16 +51,21 @@ def queue_for_model(model: str) -> str:
 class EngineOptions(BaseModel):
     """Engine knobs beyond the interface names; mirror ``engine.config.EngineConfig``."""
 
-    device: str = "auto"
-    max_num_batched_tokens: int = Field(default=1024, ge=1)
-    max_model_len: int | None = Field(default=None, ge=2)
-    block_size: int = Field(default=16, ge=1)
-    num_kv_blocks: int | None = Field(default=None, ge=1)
-    kv_cache_memory: int | None = Field(default=None, ge=1)
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
-    trust_remote_code: bool = False
-    seed: int = 0
+    device: str = Field(default="auto", description="auto, cpu, cuda or cuda:N")
+    max_num_batched_tokens: int = Field(default=1024, ge=1,
+                                        description="token budget of one step: decodes first, then prompt chunks")
+    max_model_len: int | None = Field(default=None, ge=2,
+                                      description="context length; unset -> the model's, capped at 8192")
+    block_size: int = Field(default=16, ge=1, description="tokens per KV cache block")
+    num_kv_blocks: int | None = Field(default=None, ge=1,
+                                      description="KV pool size in blocks; overrides kv_cache_memory")
+    kv_cache_memory: int | None = Field(
+        default=None, ge=1,
+        description="KV pool bytes; unset -> 85% of the GPU memory free after the weights, 1 GiB on CPU")
+    enable_prefix_caching: bool = Field(default=True, description="share the KV blocks of common prompt prefixes")
+    attention_backend: str = Field(default="auto", description="auto, torch or triton")
+    trust_remote_code: bool = Field(default=False, description="let transformers run a model repo's own code")
+    seed: int = Field(default=0, description="sampler seed for requests without their own seed")
 
 
 class BatchOptions(BaseModel):
@@ -70,7 +75,8 @@ class BatchOptions(BaseModel):
     max_line_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20, description="bytes per input line")
     max_lines: int = Field(default=100_000, ge=1, le=10_000_000, description="request lines per job")
     ttl: int = Field(default=7 * 86400, ge=60, description="seconds a job and its results are kept once it ends")
-    key_prefix: str = Field(default="batchery:batch", min_length=1, max_length=64)
+    key_prefix: str = Field(default="batchery:batch", min_length=1, max_length=64,
+                            description="Redis key prefix of the job state")
 
 
 class Settings(BaseSettings):
@@ -81,15 +87,16 @@ class Settings(BaseSettings):
     )
 
     # transport
-    broker_url: str = DEFAULT_BROKER_URL
-    result_backend: str | None = None  # None -> the broker URL
-    queue: str | None = None  # None -> derived from the model (queue_for_model)
+    broker_url: str = Field(default=DEFAULT_BROKER_URL,
+                            description="Redis URL: redis://:PASSWORD@host:6379/0, rediss:// for TLS")
+    result_backend: str | None = Field(default=None, description="results and batch jobs; unset -> the broker URL")
+    queue: str | None = Field(default=None, description="the queue; unset -> batchery.<model name>")
     result_expires: int = Field(default=86400, ge=1, description="seconds results stay in the backend")
 
     # model and engine
-    model: str = DEFAULT_MODEL
-    dtype: str = "auto"
-    max_num_seqs: int = Field(default=128, ge=1)
+    model: str = Field(default=DEFAULT_MODEL, description="model name, Hugging Face directory or .gguf file")
+    dtype: str = Field(default="auto", description="auto, float32, bfloat16 or float16")
+    max_num_seqs: int = Field(default=128, ge=1, description="sequences batched together in one engine step")
     engine: EngineOptions = Field(default_factory=EngineOptions)
     batch: BatchOptions = Field(default_factory=BatchOptions)
 
@@ -99,22 +106,25 @@ class Settings(BaseSettings):
     max_task_timeout: float = Field(default=3600.0, gt=0, description="largest deadline a client may ask for")
     max_retries: int = Field(default=3, ge=0, description="retries after an engine failure")
     retry_backoff: float = Field(default=1.0, gt=0, description="first retry delay, seconds; doubles each time")
-    retry_backoff_max: float = Field(default=60.0, gt=0)
-    visibility_timeout: float | None = Field(default=None, gt=0, description="None -> 2 x max_task_timeout")
+    retry_backoff_max: float = Field(default=60.0, gt=0, description="longest retry delay, seconds")
+    visibility_timeout: float | None = Field(
+        default=None, gt=0,
+        description="unacked messages are redelivered after this; unset -> 2 x max_task_timeout + retry_backoff_max")
     batch_wait: float = Field(default=0.1, ge=0, le=10, description="idle engine: at most this long to let a burst arrive")
     shutdown_grace: float = Field(default=30.0, ge=0, description="on SIGTERM, seconds in-flight work may finish")
 
     # supervision
     watchdog_timeout: float = Field(default=300.0, gt=0, description="work pending, no step for this long = failed")
     max_rebuilds: int = Field(default=3, ge=1, description="consecutive failed rebuilds before the worker gives up")
-    faults: str = ""
+    faults: str = Field(default="", description="fault injection for rehearsals (worker/faults.py); empty = none")
 
     # ops
-    health_host: str = "0.0.0.0"
-    health_port: int = Field(default=8080, ge=0, le=65535, description="0 -> health server disabled")
-    log_level: str = "INFO"
+    health_host: str = Field(default="0.0.0.0", description="address of the health and metrics server")
+    health_port: int = Field(default=8080, ge=0, le=65535, description="/healthz, /readyz, /stats, /metrics; 0 = off")
+    log_level: str = Field(default="INFO", description="DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    log_format: str = Field(default="text", description="text, or json for one JSON object per line")
     send_events: bool = Field(default=False, description="Celery task events and worker heartbeats (Flower)")
-    hostname: str | None = None  # Celery node name; None -> batchery-<pid>@<host>
+    hostname: str | None = Field(default=None, description="Celery node name; unset -> batchery-<pid>@<host>")
 
     @model_validator(mode="after")
     def _derive_and_check(self) -> Settings:
@@ -122,6 +132,12 @@ class Settings(BaseSettings):
             self.result_backend = self.broker_url
         if not self.queue:
             self.queue = queue_for_model(self.model)
+        self.log_level, self.log_format = self.log_level.upper(), self.log_format.lower()
+        if self.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError(f"BATCHERY_LOG_LEVEL must be DEBUG, INFO, WARNING, ERROR or CRITICAL, "
+                             f"got {self.log_level!r}")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"BATCHERY_LOG_FORMAT must be text or json, got {self.log_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"BATCHERY_DTYPE must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.task_timeout > self.max_task_timeout:
@@ -177,3 +193,48 @@ class Settings(BaseSettings):
         d["broker_url"] = mask_url(self.broker_url)
         d["result_backend"] = mask_url(self.result_backend)
         return d
+
+
+# -- the configuration table (docs/operations.md) ------------------------------------------------------
+def _shown(value) -> str:
+    if value is None:
+        return "(unset)"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value) if value != "" else "(empty)"
+
+
+def env_variables() -> list[tuple[str, str, str]]:
+    """``(variable, default, description)`` for every ``BATCHERY_*`` variable ``Settings`` reads,
+    nested options (``BATCHERY_ENGINE__BLOCK_SIZE``) included, in declaration order."""
+    rows = []
+    for name, field in Settings.model_fields.items():
+        nested = field.annotation if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel) \
+            else None
+        if nested is None:
+            rows.append((f"BATCHERY_{name.upper()}", _shown(field.get_default(call_default_factory=True)),
+                         field.description or ""))
+            continue
+        for sub, f in nested.model_fields.items():
+            rows.append((f"BATCHERY_{name.upper()}__{sub.upper()}", _shown(f.get_default(call_default_factory=True)),
+                         f.description or ""))
+    return rows
+
+
+def env_table() -> str:
+    """The Markdown table of ``env_variables()``: ``python -m worker.settings --table``."""
+    lines = ["| variable | default | meaning |", "|---|---|---|"]
+    for var, default, doc in env_variables():
+        doc = doc.replace("|", "/").replace("<", "\\<")  # Markdown: a cell ends at |, <x> is a tag
+        lines.append(f"| `{var}` | `{default}` | {doc} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--table"]:
+        sys.exit("usage: python -m worker.settings --table   (the BATCHERY_* variables as a Markdown table)")
+    sys.stdout.write(env_table())

@@ -1,0 +1,436 @@
+"""Prometheus metrics of a worker, served at ``/metrics`` on the health port (text exposition).
+
+Where each number comes from, and what it costs on the hot path:
+
+- **Requests** (task threads), from Celery's ``task_prerun``, ``task_postrun`` and ``task_retry``
+  signals. prerun stamps the start and observes the queue wait. While the task runs it notes its
+  token counts (``note_result``) or, for a batch line, its error code (``note_outcome``) in a
+  thread-local record, and postrun turns the record into counter increments: a few operations per
+  request, none per token.
+- **Engine steps** (the engine loop thread): ``StepStats.observe`` once per step, a few integer
+  adds and three bisects into fixed buckets, with no lock and no prometheus object. A collector
+  turns them into histograms and counters when Prometheus scrapes.
+- **State**, read at scrape time: KV blocks, running and waiting sequences and the engine state
+  from the engine service, and the depth of the worker's queue (``LLEN`` of its lists on the
+  broker), cached for ``QUEUE_DEPTH_TTL_S`` so frequent scrapes cost Redis nothing.
+
+**Queue wait.** A Celery message carries no enqueue time, so the publishers stamp one: the
+``batchery_enqueued_at`` message header, the publisher's ``time.time()``, set by
+``tasks.client.Client`` and the batch publisher (``tasks.publish``). When the task starts, the
+worker observes ``now - batchery_enqueued_at``, so the wait includes the time the message sat
+prefetched in the worker. Only first attempts are observed: a retry's message waits out its
+backoff countdown on purpose. Publisher and worker clocks must agree (NTP); a negative wait (clock
+skew) counts as 0. Messages from other publishers, without the header, are not observed.
+
+Engine counters (steps, preemptions, prefix-cache tokens) count over the process's lifetime,
+across engine rebuilds. Metric names are listed in ``METRICS`` and in docs/operations.md."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from bisect import bisect_left
+
+log = logging.getLogger("batchery.worker.metrics")
+
+ENQUEUED_AT_HEADER = "batchery_enqueued_at"  # message header: the publisher's time.time() at enqueue
+QUEUE_DEPTH_TTL_S = 2.0
+
+STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+STEP_TOKENS_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+                1800.0, 3600.0)
+DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+                    1800.0, 3600.0)
+ENGINE_STATES = ("new", "serving", "rebuilding", "draining", "failed", "stopped")
+
+# What /metrics exposes (the family names; counters get a _total suffix, histograms _bucket/_sum/_count).
+METRICS = {
+    "batchery_requests_total": "counter{task,outcome}: task attempts by how they ended",
+    "batchery_retries_total": "counter{task}: attempts retried after an engine failure",
+    "batchery_prompt_tokens_total": "counter{task}: prompt tokens of finished requests",
+    "batchery_generation_tokens_total": "counter{task}: generated tokens of finished requests",
+    "batchery_queue_wait_seconds": "histogram{task}: enqueue to task start, first attempts",
+    "batchery_request_duration_seconds": "histogram{task}: task start to end, per attempt",
+    "batchery_requests_in_flight": "gauge: requests submitted to the engine and not yet resolved",
+    "batchery_quarantined_requests_total": "counter: requests put in quarantine (run alone)",
+    "batchery_engine_steps_total": "counter: engine steps that scheduled work",
+    "batchery_engine_step_seconds": "histogram: wall time of one engine step",
+    "batchery_engine_batch_size": "histogram: sequences in one step",
+    "batchery_engine_step_tokens": "histogram: tokens (prefill + decode) in one step",
+    "batchery_engine_running_seqs": "gauge: sequences running in the engine",
+    "batchery_engine_waiting_seqs": "gauge: sequences waiting for KV blocks or budget",
+    "batchery_engine_preemptions_total": "counter: sequences preempted (blocks freed, recomputed later)",
+    "batchery_engine_failures_total": "counter: engine failures (step raised, watchdog fired)",
+    "batchery_engine_restarts_total": "counter: successful engine rebuilds",
+    "batchery_engine_state": "gauge{state}: 1 for the engine service's current state",
+    "batchery_kv_blocks_used": "gauge: KV cache blocks in use",
+    "batchery_kv_blocks_free": "gauge: KV cache blocks free (cached prefix blocks count as free)",
+    "batchery_prefix_cache_hit_tokens_total": "counter: prompt tokens served from the prefix cache",
+    "batchery_prefix_cache_query_tokens_total": "counter: prompt tokens looked up in the prefix cache",
+    "batchery_prefix_cache_hit_rate": "gauge: hit tokens / query tokens over the process lifetime",
+    "batchery_queue_depth": "gauge{queue}: messages waiting in the worker's queue on the broker",
+    "batchery_worker_info": "info{model,dtype,queue,max_num_seqs}: constant 1",
+}
+
+
+# -- the engine loop's side: plain counters ---------------------------------------------------------
+class FixedHistogram:
+    """A histogram with fixed upper bounds, for one writer thread; readers get a consistent-enough
+    snapshot (the count is derived from the buckets, so count and +Inf always agree)."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last slot is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> tuple[list[tuple[str, int]], float]:
+        counts, total = list(self.counts), self.sum
+        out, acc = [], 0
+        for bound, n in zip((*map(_le, self.bounds), "+Inf"), counts):
+            acc += n
+            out.append((bound, acc))
+        return out, total
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+class StepStats:
+    """Per-step engine figures, written by the engine loop thread once per step. The engine's own
+    counters restart with every rebuilt engine; these keep counting across rebuilds."""
+
+    def __init__(self) -> None:
+        self.step_seconds = FixedHistogram(STEP_SECONDS_BUCKETS)
+        self.batch_size = FixedHistogram(BATCH_SIZE_BUCKETS)
+        self.step_tokens = FixedHistogram(STEP_TOKENS_BUCKETS)
+        self.num_preemptions = 0
+        self.prefix_cache_hit_tokens = 0
+        self.prefix_cache_query_tokens = 0
+        self._gen: int | None = None
+        self._prev = (0, 0, 0)
+
+    def observe(self, gen: int, seconds: float, stats: dict) -> None:
+        """One finished step of engine generation ``gen``; ``stats`` is that engine's ``stats()``."""
+        self.step_seconds.observe(seconds)
+        self.batch_size.observe(stats["last_step_num_seqs"])
+        self.step_tokens.observe(stats["last_step_num_tokens"])
+        cur = (stats["num_preemptions"], stats["prefix_cache_hit_tokens"], stats["prefix_cache_query_tokens"])
+        prev = self._prev if gen == self._gen else (0, 0, 0)  # a new engine counts from zero
+        self._gen, self._prev = gen, cur
+        self.num_preemptions += cur[0] - prev[0]
+        self.prefix_cache_hit_tokens += cur[1] - prev[1]
+        self.prefix_cache_query_tokens += cur[2] - prev[2]
+
+
+_quarantine_lock = threading.Lock()
+_num_quarantined = 0
+
+
+def record_quarantined(count: int = 1) -> None:
+    """Count ``count`` requests put in quarantine (``batchery_quarantined_requests_total``): made to
+    run alone after repeated engine failures. Any thread; works whether or not a metrics endpoint
+    is running. A poison verdict is also a request outcome (``engine_crash``)."""
+    global _num_quarantined
+    with _quarantine_lock:
+        _num_quarantined += count
+
+
+def num_quarantined() -> int:
+    return _num_quarantined
+
+
+# -- the task threads' side: a thread-local record per running task ----------------------------------
+class _Running:
+    __slots__ = ("task", "started", "outcome", "prompt_tokens", "generated_tokens")
+
+    def __init__(self, task: str, started: float) -> None:
+        self.task = task
+        self.started = started
+        self.outcome: str | None = None
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+
+
+_local = threading.local()
+
+
+def note_result(result):
+    """Called by a task with its ``GenerationResult``: its tokens count once the task ends.
+    Returns ``result``. A no-op outside a worker with metrics."""
+    rec = getattr(_local, "rec", None)
+    if rec is not None:
+        rec.prompt_tokens += result.num_prompt_tokens
+        rec.generated_tokens += len(result.token_ids)
+    return result
+
+
+def note_outcome(outcome: str) -> None:
+    """Called by a task whose return value does not tell how it ended (a batch line stores its
+    error as a record): the outcome label of this attempt."""
+    rec = getattr(_local, "rec", None)
+    if rec is not None:
+        rec.outcome = outcome
+
+
+# outcome labels by exception class name (the nearest class in the MRO wins)
+OUTCOME_BY_ERROR = {
+    "ContextLengthExceeded": "context_length_exceeded",
+    "InvalidRequest": "invalid_request",
+    "DeadlineExceeded": "deadline_exceeded",
+    "RequestCancelled": "cancelled",
+    "EngineCrash": "engine_crash",
+    "EngineFailure": "engine_error",
+}
+OUTCOMES = ("success", "invalid_request", "context_length_exceeded", "deadline_exceeded", "engine_error",
+            "engine_crash", "internal_error", "cancelled", "skipped", "retry", "requeued")
+
+
+def outcome_of(state: str | None, retval) -> str:
+    """The outcome label of a finished attempt from Celery's state and return value."""
+    if state == "SUCCESS":
+        if isinstance(retval, str):  # batch lines report what happened as a string
+            for prefix in ("skipped", "cancelled", "failed"):
+                if retval.startswith(prefix):
+                    return "internal_error" if prefix == "failed" else prefix
+        return "success"
+    if state == "RETRY":
+        return "retry"
+    if state == "REJECTED":
+        return "requeued"
+    if isinstance(retval, BaseException):
+        for cls in type(retval).__mro__:
+            if cls.__name__ in OUTCOME_BY_ERROR:
+                return OUTCOME_BY_ERROR[cls.__name__]
+    return "internal_error"
+
+
+# -- queue depth -------------------------------------------------------------------------------------
+class QueueDepth:
+    """Messages waiting in ``queue`` on a Redis broker: the sum of ``LLEN`` over the queue's list
+    and its priority lists (kombu keeps one list per priority step). Cached for ``ttl`` seconds;
+    ``None`` when the broker is not Redis or does not answer."""
+
+    def __init__(self, broker_url: str, queue: str, ttl: float = QUEUE_DEPTH_TTL_S) -> None:
+        from kombu.transport.redis import PRIORITY_STEPS, Channel
+
+        from tasks.publish import is_redis_url
+
+        self.url = broker_url
+        self.queue = queue
+        self.ttl = ttl
+        self.keys = [queue] + [f"{queue}{Channel.sep}{step}" for step in PRIORITY_STEPS if step]
+        self.enabled = is_redis_url(broker_url)
+        self._client = None
+        self._lock = threading.Lock()
+        self._value: int | None = None
+        self._at = float("-inf")
+
+    def get(self) -> int | None:
+        if not self.enabled:
+            return None
+        with self._lock:
+            now = time.monotonic()
+            if now - self._at >= self.ttl:
+                self._value = self._read()
+                self._at = time.monotonic()
+            return self._value
+
+    def _read(self) -> int | None:
+        import redis
+
+        try:
+            if self._client is None:
+                from tasks.jobs import redis_from_url
+
+                self._client = redis_from_url(self.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+            pipe = self._client.pipeline(transaction=False)
+            for key in self.keys:
+                pipe.llen(key)
+            return int(sum(pipe.execute()))
+        except (redis.RedisError, OSError) as exc:
+            log.debug("queue depth of %s unavailable: %s", self.queue, exc)
+            return None
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
+# -- the endpoint ------------------------------------------------------------------------------------
+class WorkerMetrics:
+    """The worker's metrics registry. ``connect()`` hooks the Celery signals; ``route`` is the
+    ``/metrics`` route for ``worker.health.HealthServer``."""
+
+    def __init__(self, service, settings, task_names=()) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+
+        disable_created_metrics()  # no *_created series: they double the output and nobody reads them
+        self.service = service
+        self.settings = settings
+        r = self.registry = CollectorRegistry(auto_describe=False)
+        self.requests = Counter("batchery_requests", "Task attempts by task and how they ended.",
+                                ["task", "outcome"], registry=r)
+        self.retries = Counter("batchery_retries", "Task attempts retried after an engine failure.", ["task"],
+                               registry=r)
+        self.prompt_tokens = Counter("batchery_prompt_tokens", "Prompt tokens of finished requests.", ["task"],
+                                     registry=r)
+        self.generation_tokens = Counter("batchery_generation_tokens", "Generated tokens of finished requests.",
+                                         ["task"], registry=r)
+        self.queue_wait = Histogram("batchery_queue_wait_seconds",
+                                    "Enqueue (batchery_enqueued_at header) to task start, first attempts.",
+                                    ["task"], buckets=WAIT_BUCKETS, registry=r)
+        self.duration = Histogram("batchery_request_duration_seconds", "Task start to end, per attempt.",
+                                  ["task"], buckets=DURATION_BUCKETS, registry=r)
+        for name in task_names:  # every series exists from the start, at 0
+            self.requests.labels(name, "success")
+            for m in (self.retries, self.prompt_tokens, self.generation_tokens, self.queue_wait, self.duration):
+                m.labels(name)
+        self.queue_depth = QueueDepth(settings.broker_url, settings.queue)
+        r.register(_ServiceCollector(self))
+        self._connected = False
+
+    # -- Celery signals ----------------------------------------------------------------------------
+    def connect(self) -> None:
+        from celery import signals
+
+        signals.task_prerun.connect(self._on_prerun, weak=False)
+        signals.task_postrun.connect(self._on_postrun, weak=False)
+        signals.task_retry.connect(self._on_retry, weak=False)
+        self._connected = True
+
+    def disconnect(self) -> None:
+        from celery import signals
+
+        if self._connected:
+            signals.task_prerun.disconnect(self._on_prerun)
+            signals.task_postrun.disconnect(self._on_postrun)
+            signals.task_retry.disconnect(self._on_retry)
+            self._connected = False
+        self.queue_depth.close()
+
+    @staticmethod
+    def _ours(task) -> bool:
+        return task is not None and str(getattr(task, "name", "")).startswith("batchery.")
+
+    def _on_prerun(self, sender=None, task=None, **kwargs) -> None:
+        if not self._ours(task):
+            return
+        _local.rec = _Running(task.name, time.perf_counter())
+        req = task.request
+        enqueued = getattr(req, ENQUEUED_AT_HEADER, None)
+        if enqueued is None or (req.retries or 0) or req.eta:
+            return
+        try:
+            wait = time.time() - float(enqueued)
+        except (TypeError, ValueError):
+            return
+        self.queue_wait.labels(task.name).observe(max(0.0, wait))
+
+    def _on_postrun(self, sender=None, task=None, retval=None, state=None, **kwargs) -> None:
+        rec = getattr(_local, "rec", None)
+        _local.rec = None
+        if rec is None or not self._ours(task):
+            return
+        self.requests.labels(rec.task, rec.outcome or outcome_of(state, retval)).inc()
+        self.duration.labels(rec.task).observe(time.perf_counter() - rec.started)
+        if rec.prompt_tokens:
+            self.prompt_tokens.labels(rec.task).inc(rec.prompt_tokens)
+        if rec.generated_tokens:
+            self.generation_tokens.labels(rec.task).inc(rec.generated_tokens)
+
+    def _on_retry(self, sender=None, **kwargs) -> None:
+        if self._ours(sender):
+            self.retries.labels(sender.name).inc()
+
+    # -- exposition --------------------------------------------------------------------------------
+    def render(self) -> str:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry).decode("utf-8")
+
+    def route(self):
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return 200, self.render(), CONTENT_TYPE_LATEST
+
+
+class _ServiceCollector:
+    """Reads the engine service and the step counters at scrape time."""
+
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self.m = metrics
+
+    def collect(self):
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+            InfoMetricFamily,
+        )
+
+        service, settings = self.m.service, self.m.settings
+        steps: StepStats = service.step_stats
+        stats = service.stats()
+        engine = stats.get("engine") or {}
+
+        def hist(name: str, doc: str, h: FixedHistogram):
+            buckets, total = h.cumulative()
+            return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
+
+        def counter(name: str, doc: str, value):
+            return CounterMetricFamily(name, doc, value=value)
+
+        def gauge(name: str, doc: str, value):
+            return GaugeMetricFamily(name, doc, value=value)
+
+        yield InfoMetricFamily("batchery_worker", "The worker's model and queue.", value={
+            "model": str(settings.model), "dtype": str(stats.get("dtype") or settings.dtype),
+            "queue": str(settings.queue), "max_num_seqs": str(settings.max_num_seqs)})
+        state = GaugeMetricFamily("batchery_engine_state", "1 for the engine service's current state.",
+                                  labels=["state"])
+        for s in ENGINE_STATES:
+            state.add_metric([s], 1.0 if stats.get("state") == s else 0.0)
+        yield state
+        yield gauge("batchery_requests_in_flight", "Requests submitted to the engine, not yet resolved.",
+                    stats.get("num_pending", 0))
+        yield counter("batchery_quarantined_requests", "Requests put in quarantine (made to run alone).",
+                      num_quarantined())
+        yield counter("batchery_engine_steps", "Engine steps that scheduled work.", steps.step_seconds.count)
+        yield hist("batchery_engine_step_seconds", "Wall time of one engine step.", steps.step_seconds)
+        yield hist("batchery_engine_batch_size", "Sequences in one engine step.", steps.batch_size)
+        yield hist("batchery_engine_step_tokens", "Tokens (prefill and decode) in one engine step.", steps.step_tokens)
+        yield gauge("batchery_engine_running_seqs", "Sequences running in the engine.", engine.get("num_running", 0))
+        yield gauge("batchery_engine_waiting_seqs", "Sequences waiting in the engine.", engine.get("num_waiting", 0))
+        yield counter("batchery_engine_preemptions", "Sequences preempted (recomputed later).", steps.num_preemptions)
+        yield counter("batchery_engine_failures", "Engine failures: a step raised or the watchdog fired.",
+                      stats.get("num_failures", 0))
+        yield counter("batchery_engine_restarts", "Successful engine rebuilds.", stats.get("num_rebuilds", 0))
+        total = engine.get("kv_blocks_total", 0)
+        free = engine.get("kv_blocks_free", 0)
+        yield gauge("batchery_kv_blocks_used", "KV cache blocks in use.", total - free)
+        yield gauge("batchery_kv_blocks_free", "KV cache blocks free (cached prefix blocks count as free).", free)
+        hits, queries = steps.prefix_cache_hit_tokens, steps.prefix_cache_query_tokens
+        yield counter("batchery_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", hits)
+        yield counter("batchery_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.", queries)
+        yield gauge("batchery_prefix_cache_hit_rate", "Prefix-cache hit tokens / query tokens, process lifetime.",
+                    hits / queries if queries else 0.0)
+        depth = self.m.queue_depth.get()
+        if depth is not None:
+            g = GaugeMetricFamily("batchery_queue_depth", "Messages waiting in the worker's queue on the broker.",
+                                  labels=["queue"])
+            g.add_metric([str(settings.queue)], depth)
+            yield g
