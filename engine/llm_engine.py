@@ -6,6 +6,8 @@ import logging
 import time
 from collections.abc import Callable
 
+import torch
+
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import append_text, final_text, find_stop
@@ -16,6 +18,9 @@ from engine.scheduler import Scheduler
 from engine.sequence import RequestOutput, Sequence, SequenceStatus
 
 log = logging.getLogger("batchery.engine")
+
+OOM_RESTORE_STEPS = 64  # steps without an out-of-memory error before a shrunk step limit doubles back
+OOM_MIN_TOKENS = 16  # the token budget never shrinks below this (or the scheduled step, if smaller)
 
 
 def _eos_ids(loaded: LoadedModel) -> list[int]:
@@ -53,6 +58,8 @@ class LLMEngine:
         self.last_step_num_tokens = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self.num_oom = 0  # steps that ran out of memory and were shrunk
+        self._oom_ok_steps = 0  # steps since the last OOM (or the last restore)
 
     # -- tokenization ----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -81,6 +88,8 @@ class LLMEngine:
             )
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         seq = Sequence(request_id, prompt_token_ids, params, priority=priority)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -111,9 +120,16 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched:
             return []
-        if self.on_step_start is not None:
-            self.on_step_start(sched.seqs)
-        sample_seqs, tokens, entries = self.runner.run(sched.seqs, sched.num_new_tokens, self.eos_ids)
+        try:
+            if self.on_step_start is not None:
+                self.on_step_start(sched.seqs)
+            sample_seqs, tokens, entries = self.runner.run(sched.seqs, sched.num_new_tokens, self.eos_ids)
+        except torch.OutOfMemoryError as exc:
+            self._shrink_after_oom(sched, exc)
+            return []
+        if self.scheduler.max_num_seqs < self.config.max_num_seqs or \
+                self.scheduler.max_num_batched_tokens < self.config.max_num_batched_tokens:
+            self._maybe_restore_step_limits()
         for seq, n in zip(sched.seqs, sched.num_new_tokens):
             seq.num_computed_tokens += n
         self.num_steps += 1
@@ -141,6 +157,44 @@ class LLMEngine:
             self.num_prompt_tokens += seq.num_prompt_tokens
             outputs.append(self._output(seq))
         return outputs
+
+    # -- out of memory ---------------------------------------------------------------------
+    def _shrink_after_oom(self, sched, exc: BaseException) -> None:
+        """A step ran out of accelerator memory. Nothing of it was committed (no token counted as
+        computed, none sampled), so it can simply be scheduled again, smaller: halve the token
+        budget and the number of sequences per step, and preempt the newest running sequences
+        beyond that (their blocks go back to the pool; they are recomputed later). Limits double
+        back after ``OOM_RESTORE_STEPS`` clean steps. Re-raises when the step cannot get smaller."""
+        sch = self.scheduler
+        num_seqs, num_tokens = len(sched.seqs), sched.num_batched_tokens
+        if num_seqs <= 1 and num_tokens <= OOM_MIN_TOKENS:
+            raise exc  # one sequence, a handful of tokens: nothing left to shrink; a real failure
+        self.num_oom += 1
+        self._oom_ok_steps = 0
+        self.last_step_num_seqs = self.last_step_num_tokens = 0
+        sch.max_num_batched_tokens = max(min(OOM_MIN_TOKENS, num_tokens), num_tokens // 2)
+        sch.max_num_seqs = max(1, min(sch.max_num_seqs, num_seqs // 2 or 1))
+        num_preempted = 0
+        while len(sch.running) > sch.max_num_seqs:
+            sch._preempt(max(sch.running, key=Sequence.sort_key))
+            num_preempted += 1
+        del exc  # its traceback holds the step's activations
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        log.warning("out of memory in a step of %d sequences and %d tokens: shrinking steps to at most %d sequences "
+                    "and %d tokens, %d sequences preempted (OOM #%d)", num_seqs, num_tokens, sch.max_num_seqs,
+                    sch.max_num_batched_tokens, num_preempted, self.num_oom)
+
+    def _maybe_restore_step_limits(self) -> None:
+        self._oom_ok_steps += 1
+        if self._oom_ok_steps < OOM_RESTORE_STEPS:
+            return
+        self._oom_ok_steps = 0
+        sch, cfg = self.scheduler, self.config
+        sch.max_num_seqs = min(cfg.max_num_seqs, sch.max_num_seqs * 2)
+        sch.max_num_batched_tokens = min(cfg.max_num_batched_tokens, sch.max_num_batched_tokens * 2)
+        log.info("no out-of-memory error for %d steps: step limits back up to %d sequences and %d tokens",
+                 OOM_RESTORE_STEPS, sch.max_num_seqs, sch.max_num_batched_tokens)
 
     def _check_finished(self, seq: Sequence, tok: int) -> bool:
         p = seq.params
@@ -190,6 +244,9 @@ class LLMEngine:
             "prefix_cache_hit_tokens": bm.num_hit_tokens,
             "prefix_cache_query_tokens": bm.num_query_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_oom": self.num_oom,
+            "max_num_seqs": self.scheduler.max_num_seqs,
+            "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
             "num_generated_tokens": self.num_generated_tokens,
             "num_prompt_tokens": self.num_prompt_tokens,
             "time": time.time(),

@@ -47,6 +47,7 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # 400: only the worker has 
 INVALID_REQUEST = "invalid_request"  # 400: the worker refused it for another reason
 DEADLINE_EXCEEDED = "deadline_exceeded"  # 504
 ENGINE_ERROR = "engine_error"  # 500: the engine failed it and retries are spent
+ENGINE_CRASH = "engine_crash"  # 500: quarantine found it poison: it made the engine fail even alone
 INTERNAL_ERROR = "internal_error"  # 500: a bug; the line is still accounted for
 
 

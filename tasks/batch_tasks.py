@@ -10,8 +10,9 @@ Thin, like the chat tasks it reuses (``tasks.chat.run_chat`` / ``run_completion`
 
 Every outcome of a started line becomes a record, so no line is lost: the response (200), or an
 error record with a 400 (invalid, ``context_length_exceeded``), 504 (deadline) or 500 (engine
-failure once retries are spent, or a bug). Only a retry (engine failure), a requeue (this worker
-cannot serve) or a cancel leaves without a record, and each releases the line's lease.
+failure once retries are spent, ``engine_crash`` for a poison request, or a bug). Only a retry
+(engine failure), a requeue (this worker cannot serve) or a cancel leaves without a record, and
+each releases the line's lease.
 
 The task's Celery result is ignored: the record in the job is the result."""
 
@@ -28,6 +29,7 @@ from tasks.batch import (
     COMPLETIONS_URL,
     CONTEXT_LENGTH_EXCEEDED,
     DEADLINE_EXCEEDED,
+    ENGINE_CRASH,
     ENGINE_ERROR,
     INTERNAL_ERROR,
     INVALID_REQUEST,
@@ -36,7 +38,14 @@ from tasks.batch import (
 )
 from tasks.chat import resolve_timeout, run_chat, run_completion
 from tasks.jobs import LEASE_GRACE_S, JobStore, JobWatch, redis_from_url
-from worker.errors import ContextLengthExceeded, DeadlineExceeded, EngineFailure, InvalidRequest, RequestCancelled
+from worker.errors import (
+    ContextLengthExceeded,
+    DeadlineExceeded,
+    EngineCrash,
+    EngineFailure,
+    InvalidRequest,
+    RequestCancelled,
+)
 from worker.metrics import note_outcome
 
 log = logging.getLogger("batchery.batch")
@@ -92,6 +101,8 @@ def batch_line(self, job: str, line: int, custom_id: str, url: str, body: dict, 
         record = _error(self, job, line, custom_id, DEADLINE_EXCEEDED, exc, 504)
     except EngineFailure as exc:
         record = _error(self, job, line, custom_id, ENGINE_ERROR, exc, 500)
+    except EngineCrash as exc:
+        record = _error(self, job, line, custom_id, ENGINE_CRASH, exc, 500)
     except Exception as exc:  # noqa: BLE001 - a bug must still leave a record, never lose the line
         log.exception("batch %s line %d: unexpected error", job, line)
         record = _error(self, job, line, custom_id, INTERNAL_ERROR, f"{type(exc).__name__}: {exc}", 500)

@@ -8,7 +8,9 @@ Error policy:
 - a bad body (or a prompt the engine refuses) -> ``InvalidRequest``, never retried;
 - the deadline passes -> the request is aborted in the engine -> ``DeadlineExceeded``, not retried;
 - ``EngineFailure`` -> retried with exponential backoff and jitter, up to ``max_retries``, on any
-  worker of the queue;
+  worker of the queue; one that was in the failing step is a strike, and a request with
+  ``BATCHERY_QUARANTINE__AFTER`` strikes runs alone (``tasks.quarantine``);
+- ``EngineCrash`` (it failed alone too: poison) -> fails for good, not retried;
 - this worker cannot serve (``EngineUnavailable``: warm shutdown, or its engine is given up
   on) -> the message goes back to the queue untouched (``Reject(requeue=True)``)."""
 
@@ -22,6 +24,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from celery.exceptions import Reject
 from pydantic import BaseModel, ValidationError
 
+from tasks import quarantine
 from tasks.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -118,6 +121,7 @@ def _generate(task, gen: GenerationRequest, timeout,
     try:
         if service is None:
             raise EngineUnavailable("this process has no engine service (not a batchery worker)")
+        gen = quarantine.prepare(task, gen)
         if cancelled is None:
             return note_result(service.generate(gen, deadline))
         return note_result(_generate_cancellable(service, gen, deadline, cancelled))
@@ -126,6 +130,7 @@ def _generate(task, gen: GenerationRequest, timeout,
         # message back untouched for another worker, without spending a retry.
         raise Reject(str(exc), requeue=True) from None
     except EngineFailure as exc:
+        quarantine.record(task, exc)
         retries = task.request.retries or 0
         if retries >= settings.max_retries:
             raise EngineFailure(f"{exc} -- gave up after {retries} retries") from None

@@ -22,6 +22,7 @@ engine."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import time
 import uuid
@@ -52,6 +53,8 @@ from worker.errors import (
 )
 from worker.metrics import ENQUEUED_AT_HEADER
 from worker.settings import Settings
+
+log = logging.getLogger("batchery.client")
 
 __all__ = [
     "Client", "Handle", "BatcheryError", "InvalidRequest", "DeadlineExceeded", "EngineFailure", "TaskExpired",
@@ -252,7 +255,7 @@ class Client:
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
-                st = self.jobs.status(job_id)
+                st = self._status_through_outages(job_id, deadline)
                 if bar is not None:
                     bar.update(st)
                 if on_update is not None:
@@ -267,6 +270,29 @@ class Client:
         finally:
             if bar is not None:
                 bar.close()
+
+    def _status_through_outages(self, job_id: str, deadline: float | None) -> BatchJob:
+        """``jobs.status``, waiting out a Redis outage (restart, failover) with backoff and saying
+        so in the log; gives up at ``deadline`` (None: never)."""
+        import redis
+
+        delay, since = 0.5, None
+        while True:
+            try:
+                st = self.jobs.status(job_id)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                now = time.monotonic()
+                since = since or now
+                if deadline is not None and now >= deadline:
+                    raise
+                log.warning("Redis unavailable while waiting for batch job %s (%s); retrying in %.1f s",
+                            job_id, exc, delay)
+                time.sleep(delay if deadline is None else max(0.0, min(delay, deadline - now)))
+                delay = min(delay * 2, 10.0)
+                continue
+            if since is not None:
+                log.warning("Redis is back: reconnected after %.1f s", time.monotonic() - since)
+            return st
 
     def batch_results(self, job: str | BatchJob) -> Iterator[dict]:
         """The job's records in input order, streamed: output lines (``"error": None``) and error

@@ -11,7 +11,7 @@ from celery import Celery
 from tasks import batch_tasks, chat
 from tasks.batch_tasks import BATCH_LINE_TASK
 from tasks.chat import CHAT_TASK, COMPLETION_TASK
-from worker.errors import DeadlineExceeded, InvalidRequest
+from worker.errors import DeadlineExceeded, EngineCrash, InvalidRequest
 from worker.settings import Settings
 
 
@@ -31,7 +31,16 @@ def make_app(settings: Settings | None = None) -> Celery:
         task_reject_on_worker_lost=True,
         task_acks_on_failure_or_timeout=True,  # a task that failed for good is not redelivered
         worker_prefetch_multiplier=1,  # prefetch = concurrency: bounded
-        broker_transport_options={"visibility_timeout": settings.visibility_timeout},
+        broker_transport_options={
+            "visibility_timeout": settings.visibility_timeout,
+            # kombu sweeps for messages whose worker died every interval x throttle seconds (by
+            # default 10 x 10): make it one sweep per interval, a tenth of the visibility timeout
+            "unacked_restore_interval": max(1.0, min(10.0, settings.visibility_timeout / 10)),
+            "unacked_restore_throttle": 1,
+        },
+        # the result backend rides out a Redis restart (clients polling results, workers storing them)
+        result_backend_always_retry=True,
+        result_backend_max_retries=10,
         result_expires=settings.result_expires,
         # one queue per model
         task_default_queue=settings.queue,
@@ -50,7 +59,7 @@ def make_app(settings: Settings | None = None) -> Celery:
         worker_send_task_events=settings.send_events,
         task_send_sent_event=settings.send_events,
     )
-    expected = (InvalidRequest, DeadlineExceeded)  # logged without a traceback
+    expected = (InvalidRequest, DeadlineExceeded, EngineCrash)  # logged without a traceback
     common = dict(bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=settings.max_retries,
                   throws=expected, resultrepr_maxsize=160)
     app.task(name=CHAT_TASK, **common)(chat.chat_completion)

@@ -11,7 +11,20 @@ fails every in-flight future at once with a retryable ``EngineFailure``, abandon
 and its loop thread (a late result from an abandoned step is ignored), and builds a new engine on
 the same loaded weights. After ``max_rebuilds`` consecutive failed rebuilds it gives up: the
 service turns unhealthy and calls ``on_fatal`` so the entry point can stop consuming and exit
-non-zero. Nothing here ever exits the process."""
+non-zero. Nothing here ever exits the process.
+
+Who pays for a failure: only the requests in the failing step (for a hang, the hung step) get the
+``EngineFailure``, marked ``struck``; the task records the strike and retries. Every other pending
+request (waiting in the engine, or not yet in it) is carried over to the new engine in-process. A
+rebuilt engine first runs a one-token canary step; only a failed canary (or a failed build) counts
+towards ``max_rebuilds``, so a request that crashes every engine it meets cannot make the worker
+give up.
+
+Quarantine: a request submitted with ``solo=True`` (the task does so once it has been struck
+``K`` times) runs alone: new work is held while the engine drains, the request runs by itself,
+then held work goes in before the next quarantined request. If it fails alone on
+``solo_attempts`` consecutive runs (each after a canary proved the engine sound), it is poison and
+its future raises ``EngineCrash``, naming the exception."""
 
 from __future__ import annotations
 
@@ -33,6 +46,7 @@ from dataclasses import dataclass, field
 from worker.errors import (
     ContextLengthExceeded,
     DeadlineExceeded,
+    EngineCrash,
     EngineFailure,
     EngineUnavailable,
     InvalidRequest,
@@ -46,6 +60,7 @@ log = logging.getLogger("batchery.worker.engine")
 IDLE_WAIT_S = 1.0  # the idle loop wakes this often just to show it is alive
 BATCH_QUIET_S = 0.01  # gathering a burst ends once no request has arrived for this long
 SUPERVISOR_TICK_S = 0.1
+CANARY_ID = "batchery-canary"
 
 
 @dataclass
@@ -57,6 +72,7 @@ class GenerationRequest:
     prompt_token_ids: list[int] | None = None
     sampling: dict = field(default_factory=dict)  # SamplingParams kwargs; max_tokens None -> fill the context
     priority: int = 0
+    solo: bool = False  # quarantined: run alone, with no other request in the engine
 
 
 @dataclass
@@ -81,6 +97,23 @@ class _Pending:
     future: Future
     submitted_at: float
     added_at: float = 0.0
+    in_engine: bool = False  # added to the current engine (False again once carried over to a new one)
+    solo_failures: int = 0  # failed runs alone (quarantine)
+    text: str | None = None  # the prompt as sent, for poison faults (built on first use)
+
+
+class _Lanes:
+    """The loop thread's admission state, for quarantine. Requests normally go straight into the
+    engine; while a quarantined request waits or runs, new ones are held."""
+
+    def __init__(self) -> None:
+        self.held: deque[_Pending] = deque()  # normal requests waiting for a solo run to end
+        self.solo: deque[_Pending] = deque()  # quarantined requests waiting for their turn
+        self.solo_rid: str | None = None  # the quarantined request running now
+        self.release_held = False  # a solo run just ended: held work goes in before the next one
+
+    def __bool__(self) -> bool:
+        return bool(self.held or self.solo)
 
 
 class EngineAbandoned(Exception):
@@ -100,6 +133,7 @@ class EngineService:
         rebuild_backoff: float = 0.5,
         batch_wait: float = 0.0,
         on_fatal: Callable[[str], None] | None = None,
+        solo_attempts: int = 2,
     ) -> None:
         self.config = config
         self.watchdog_timeout = watchdog_timeout
@@ -108,6 +142,7 @@ class EngineService:
         self.rebuild_backoff = rebuild_backoff
         self.batch_wait = batch_wait
         self.on_fatal = on_fatal
+        self.solo_attempts = max(1, int(solo_attempts))
 
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # wakes the loop thread: new ops or stop
@@ -129,10 +164,11 @@ class EngineService:
 
         self._last_beat = time.monotonic()  # loop progress: a step ran, or the loop idled with no work
         self._last_step_at: float | None = None
-        self._engine_is_rebuild = False
         self._engine_steps = 0
-        self._failed_rebuilds = 0  # consecutive; reset by a successful step
+        self._failed_rebuilds = 0  # consecutive; reset by a successful canary or step
         self._token_text: dict[int, str] = {}
+        self._step_rids: tuple[str, ...] = ()  # the requests in the step now running (or the hung one)
+        self._in_canary = False
 
         # counters for /stats (process lifetime, across rebuilds)
         self.num_steps = 0
@@ -142,6 +178,10 @@ class EngineService:
         self.step_stats = StepStats()  # per-step histograms and engine counters for /metrics
         self.num_failures = 0
         self.num_rebuilds = 0
+        self.num_struck = 0  # requests failed for being in a failing step
+        self.num_carried_over = 0  # requests moved to a rebuilt engine without failing
+        self.num_solo_runs = 0  # quarantined runs started
+        self.num_poisoned = 0  # requests failed for good with EngineCrash
         self.num_requests = 0
         self.num_finished = 0
         self.num_aborted = 0
@@ -302,6 +342,10 @@ class EngineService:
             "mean_batch_size": self.num_step_seqs / steps,
             "num_failures": self.num_failures,
             "num_rebuilds": self.num_rebuilds,
+            "num_struck": self.num_struck,
+            "num_carried_over": self.num_carried_over,
+            "num_solo_runs": self.num_solo_runs,
+            "num_poisoned": self.num_poisoned,
             "engine": dict(self.engine_stats),
         }
 
@@ -323,7 +367,6 @@ class EngineService:
         engine.on_step_start = self._make_step_hook(gen, engine, abandoned)
         self._engine = engine
         self._abandoned = abandoned
-        self._engine_is_rebuild = is_rebuild
         self._engine_steps = 0
         self.num_kv_blocks = engine.num_kv_blocks
         self.max_model_len = engine.max_model_len
@@ -333,8 +376,8 @@ class EngineService:
             self._state = "serving"
         else:
             self._state = "draining"
-        t = threading.Thread(target=self._loop, args=(gen, engine, abandoned), name=f"engine-loop-{gen}",
-                             daemon=True)
+        t = threading.Thread(target=self._loop, args=(gen, engine, abandoned, is_rebuild),
+                             name=f"engine-loop-{gen}", daemon=True)
         self._loop_thread = t
         t.start()
 
@@ -342,10 +385,14 @@ class EngineService:
         def on_step_start(seqs) -> None:
             if abandoned.is_set():
                 raise EngineAbandoned()
+            if self._in_canary:
+                return  # not a work step: not counted, and no fault applies
+            self._step_rids = tuple(s.request_id for s in seqs)
             self.num_steps += 1
             self.num_step_seqs += len(seqs)
             if self.faults:
-                ctx = StepContext(step=self.num_steps, seqs=seqs, engine=engine, abandoned=abandoned)
+                ctx = StepContext(step=self.num_steps, seqs=seqs, engine=engine, abandoned=abandoned,
+                                  prompt_text=self._prompt_text)
                 for f in self.faults:
                     f.before_step(ctx)
             if abandoned.is_set():  # a hang outlived the watchdog: do not run the forward pass
@@ -353,29 +400,48 @@ class EngineService:
 
         return on_step_start
 
+    def _prompt_text(self, seq) -> str | None:
+        """The prompt of an engine sequence as the client sent it (for poison faults)."""
+        p = self._pending.get(seq.request_id)
+        if p is None:
+            return None
+        if p.text is None:
+            req = p.request
+            if req.messages is not None:
+                p.text = "\n".join(str(m.get("content") or "") for m in req.messages)
+            elif req.prompt is not None:
+                p.text = req.prompt
+            else:
+                return None
+        return p.text
+
     # -- the loop thread -----------------------------------------------------------------------
-    def _loop(self, gen: int, engine, abandoned: threading.Event) -> None:
+    def _loop(self, gen: int, engine, abandoned: threading.Event, canary: bool = False) -> None:
+        lanes = _Lanes()
         try:
+            if canary:
+                self._run_canary(engine, abandoned)
             while True:
                 with self._lock:
                     if abandoned.is_set() or self._stop.is_set():
                         return
                     idle = not engine.has_unfinished()
-                    if idle and not self._inbox:
+                    if idle and not self._inbox and not lanes:
                         self._last_beat = time.monotonic()
                         self._wake.wait(IDLE_WAIT_S)
                         continue
-                    if idle and self.batch_wait > 0:
+                    if idle and self.batch_wait > 0 and self._inbox:
                         self._gather()
                     ops = list(self._inbox)
                     self._inbox.clear()
-                self._apply(engine, ops)
+                self._apply(engine, ops, lanes)
                 if not engine.has_unfinished():
                     self.engine_stats = engine.stats()
                     continue
                 steps_before = self.num_steps
                 t_step = time.perf_counter()
                 outputs = engine.step()
+                self._step_rids = ()
                 step_s = time.perf_counter() - t_step
                 self.step_seconds += step_s
                 if abandoned.is_set():
@@ -417,11 +483,29 @@ class EngineService:
             if len(self._inbox) == n or self._stop.is_set():
                 return
 
-    def _apply(self, engine, ops: list) -> None:
-        """Apply queued adds and aborts. Loop thread only."""
-        from engine.llm_engine import PromptTooLong
+    def _run_canary(self, engine, abandoned: threading.Event) -> None:
+        """Prove a rebuilt engine sound before it takes work: one prompt, one token. If it raises
+        (or hangs), the failure is the engine's, not a request's, and counts as a failed rebuild."""
         from engine.sampling import SamplingParams
 
+        with self._lock:
+            self._in_canary = True
+        t0 = time.perf_counter()
+        ids = (engine.encode("Hello") or [0])[:8]
+        engine.add_request(CANARY_ID, ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished() and not abandoned.is_set():
+            engine.step()
+        with self._lock:
+            self._in_canary = False
+            if abandoned.is_set():
+                raise EngineAbandoned()
+            self._failed_rebuilds = 0
+            self._last_beat = time.monotonic()
+        log.info("rebuilt engine passed its canary step (%.3f s)", time.perf_counter() - t0)
+
+    def _apply(self, engine, ops: list, lanes: _Lanes | None = None) -> None:
+        """Apply queued aborts and adds, then admit what quarantine allows. Loop thread only."""
+        lanes = lanes if lanes is not None else _Lanes()
         for op, arg in ops:
             if op == "abort":
                 engine.abort(arg)
@@ -429,32 +513,72 @@ class EngineService:
             p: _Pending = arg
             if p.request_id not in self._pending:  # aborted or failed before it reached the engine
                 continue
-            req = p.request
-            try:
-                if req.messages is not None:
-                    ids = engine.encode_chat(req.messages)
-                elif req.prompt is not None:
-                    ids = engine.encode(req.prompt)
-                else:
-                    ids = list(req.prompt_token_ids or [])
-            except Exception as exc:  # noqa: BLE001 - a template or tokenizer error is the request's fault
-                self._reject(p, InvalidRequest(f"could not tokenize the request: {exc}"))
-                continue
-            kwargs = dict(req.sampling)
-            if kwargs.get("max_tokens") is None:
-                room = engine.max_model_len - len(ids)
-                kwargs["max_tokens"] = max(room, 1)
-            try:
-                params = SamplingParams(**kwargs)
-                p.added_at = time.time()
-                engine.add_request(p.request_id, ids, params, priority=req.priority)
-            except (ValueError, TypeError) as exc:
-                kind = ContextLengthExceeded if isinstance(exc, PromptTooLong) else InvalidRequest
-                self._reject(p, kind(str(exc)))
-                continue
-            with self._lock:
-                if p.request_id not in self._pending:  # aborted while we tokenized
-                    engine.abort(p.request_id)
+            if p.request.solo:
+                # a re-run after failing alone goes first: it runs right after the canary proved the
+                # engine sound, so a flaky engine would have to fail twice in a row to convict it
+                (lanes.solo.appendleft if p.solo_failures else lanes.solo.append)(p)
+            elif lanes.solo or lanes.solo_rid is not None:
+                lanes.held.append(p)
+            else:
+                self._add(engine, p)
+        self._admit(engine, lanes)
+
+    def _admit(self, engine, lanes: _Lanes) -> None:
+        """Quarantine's turns: held work goes in when no solo run waits (or one just ended); a
+        quarantined request starts once the engine is empty, and then runs alone."""
+        if lanes.solo_rid is not None:
+            if lanes.solo_rid in engine.requests:
+                return
+            lanes.solo_rid = None  # the solo run is over (finished, or aborted at its deadline)
+            lanes.release_held = True
+        if lanes.held and (lanes.release_held or not lanes.solo):
+            while lanes.held:
+                self._add(engine, lanes.held.popleft())
+        lanes.release_held = False
+        while lanes.solo and not engine.has_unfinished():
+            p = lanes.solo.popleft()
+            if self._add(engine, p):
+                lanes.solo_rid = p.request_id
+                self.num_solo_runs += 1
+                log.warning("quarantine: running request %s alone (solo run %d of at most %d)", p.request_id,
+                            p.solo_failures + 1, self.solo_attempts)
+
+    def _add(self, engine, p: _Pending) -> bool:
+        """Tokenize and add one request to the engine; False if it is gone or was refused."""
+        from engine.llm_engine import PromptTooLong
+        from engine.sampling import SamplingParams
+
+        if p.request_id not in self._pending:  # aborted or failed before it reached the engine
+            return False
+        req = p.request
+        try:
+            if req.messages is not None:
+                ids = engine.encode_chat(req.messages)
+            elif req.prompt is not None:
+                ids = engine.encode(req.prompt)
+            else:
+                ids = list(req.prompt_token_ids or [])
+        except Exception as exc:  # noqa: BLE001 - a template or tokenizer error is the request's fault
+            self._reject(p, InvalidRequest(f"could not tokenize the request: {exc}"))
+            return False
+        kwargs = dict(req.sampling)
+        if kwargs.get("max_tokens") is None:
+            room = engine.max_model_len - len(ids)
+            kwargs["max_tokens"] = max(room, 1)
+        try:
+            params = SamplingParams(**kwargs)
+            p.added_at = time.time()
+            engine.add_request(p.request_id, ids, params, priority=req.priority)
+        except (ValueError, TypeError) as exc:
+            kind = ContextLengthExceeded if isinstance(exc, PromptTooLong) else InvalidRequest
+            self._reject(p, kind(str(exc)))
+            return False
+        with self._lock:
+            if p.request_id not in self._pending:  # aborted while we tokenized
+                engine.abort(p.request_id)
+                return False
+            p.in_engine = True
+        return True
 
     def _reject(self, p: _Pending, exc: Exception) -> None:
         with self._lock:
@@ -518,10 +642,11 @@ class EngineService:
             with self._lock:
                 self._failed.clear()
                 failure, self._failure = self._failure, None
-                if failure is None and self._state in ("serving", "draining") and self._pending:
+                if failure is None and self._state in ("serving", "draining") and (self._pending or self._in_canary):
                     quiet = time.monotonic() - self._last_beat
                     if quiet > self.watchdog_timeout:
-                        failure = (self._gen, f"the watchdog fired: {len(self._pending)} requests pending and "
+                        what = "the canary step" if self._in_canary else f"{len(self._pending)} requests"
+                        failure = (self._gen, f"the watchdog fired: {what} pending and "
                                               f"no engine step finished for {quiet:.1f} s "
                                               f"(limit {self.watchdog_timeout:g} s)", None)
             if failure is not None:
@@ -549,21 +674,62 @@ class EngineService:
                 return  # already handled
             self._gen += 1
             self._abandoned.set()  # the old loop thread, if it ever returns, touches nothing
-            old_was_rebuild = self._engine_is_rebuild and self._engine_steps == 0
+            canary_failed = self._in_canary
+            self._in_canary = False
             old_thread = self._loop_thread
             self._engine = None
             self._state = "rebuilding"
-            pending = self._take_pending()
+            struck, poisoned, carried = self._triage(set(self._step_rids))
+            self._step_rids = ()
             self.num_failures += 1
+            self.num_struck += len(struck)
+            self.num_poisoned += len(poisoned)
+            self.num_carried_over += len(carried)
+        what = f"{type(exc).__name__}: {exc}" if exc is not None else reason
         tb = "".join(traceback.format_exception(exc)) if exc is not None else "(no exception: the step hung)"
-        log.error("engine failure: %s; failing %d in-flight requests with a retryable EngineFailure and "
-                  "rebuilding the engine\n%s", reason, len(pending), tb.rstrip())
-        self._fail(pending, EngineFailure(f"engine failure ({reason}); the request will be retried"))
+        carry = f", carrying {len(carried)} others over to the new engine" if carried else ""
+        canary = " (the rebuilt engine's canary step)" if canary_failed else ""
+        log.error("engine failure%s: %s; failing %d in-flight requests with a retryable EngineFailure%s%s and "
+                  "rebuilding the engine\n%s", canary, reason, len(struck), carry,
+                  f", {len(poisoned)} for good as poison" if poisoned else "", tb.rstrip())
+        retry = EngineFailure(f"engine failure ({reason}); the request will be retried")
+        retry.struck = True  # it was in the failing step: the task counts a strike towards quarantine
+        self._fail(struck, retry)
+        for p in poisoned:
+            log.error("quarantine: request %s failed alone %d times; failing it for good", p.request_id,
+                      p.solo_failures)
+            self._fail([p], EngineCrash(f"the request crashed the engine each of the {p.solo_failures} times it ran "
+                                        f"alone (quarantined after repeated engine failures); last: {what}"[:2000]))
         self._release(old_thread, exc)
         del exc
-        if old_was_rebuild:
-            self._failed_rebuilds += 1  # rebuilt, but failed before completing a single step
+        if canary_failed:
+            self._failed_rebuilds += 1  # rebuilt, but the engine failed its canary step
         self._rebuild(reason)
+
+    def _triage(self, in_step: set[str]) -> tuple[list[_Pending], list[_Pending], list[_Pending]]:
+        """Sort the pending requests after a failure: (struck, poisoned, carried over). Struck ones
+        were in the failing step (or, if the failure came outside a step, in the engine); a
+        quarantined request struck alone for the ``solo_attempts``-th time is poisoned; all others
+        go to the new engine. Empties the pending set and the inbox of all but the carried ones.
+        Caller holds the lock."""
+        struck, poisoned, carried = [], [], []
+        for p in self._pending.values():
+            hit = p.in_engine and (p.request_id in in_step if in_step else True)
+            if hit and p.request.solo:
+                p.solo_failures += 1
+                (poisoned if p.solo_failures >= self.solo_attempts else carried).append(p)
+            elif hit:
+                struck.append(p)
+            else:
+                carried.append(p)
+        self._pending.clear()
+        self._inbox.clear()
+        carried.sort(key=lambda p: p.submitted_at)
+        for p in carried:
+            p.in_engine = False
+            self._pending[p.request_id] = p
+            self._inbox.append(("add", p))
+        return struck, poisoned, carried
 
     @staticmethod
     def _release(old_thread: threading.Thread | None, exc: BaseException | None) -> None:

@@ -41,6 +41,12 @@ class EngineFailure(BatcheryError):
     retryable = True
 
 
+class EngineCrash(BatcheryError):
+    """Quarantine's verdict: the request made the engine fail every time it was in a step, in the
+    end also when it ran alone, so it is poison for this engine. Names the exception. Never
+    retried (batch code ``engine_crash``)."""
+
+
 class EngineUnavailable(EngineFailure):
     """The worker's engine is not serving (rebuilding, given up, or shutting down)."""
 

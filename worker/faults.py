@@ -2,13 +2,19 @@
 
 ``BATCHERY_FAULTS`` is a comma list of ``kind:arg[:arg...]``:
 
-- ``step_raise:N``     the Nth engine step of the process raises ``RuntimeError``, once;
-- ``step_hang:N:S``    the Nth engine step sleeps S seconds (the watchdog should fire);
-- ``rebuild_raise:N``  the next N engine rebuilds raise ``RuntimeError`` (to rehearse giving up).
+- ``step_raise:N``        the Nth engine step of the process raises ``RuntimeError``, once;
+- ``step_raise_every:N``  every Nth engine step raises (steps N, 2N, 3N, ...): a flaky engine;
+- ``step_hang:N:S``       the Nth engine step sleeps S seconds (the watchdog should fire);
+- ``rebuild_raise:N``     the next N engine rebuilds raise ``RuntimeError`` (to rehearse giving up);
+- ``poison:TEXT``         any step whose batch holds a request whose prompt contains TEXT raises
+                          (TEXT is taken as written and may hold ``:``, but not ``,``);
+- ``oom:N``               the Nth engine step raises the accelerator's out-of-memory error
+                          (``torch.OutOfMemoryError``), once: the engine shrinks its steps and goes on.
 
-Steps are counted per process, across engine rebuilds, starting at 1. A new kind is one parser
-function in ``PARSERS`` returning a ``Fault``; it sees each step's scheduled sequences through
-``StepContext`` (e.g. a future ``poison:TEXT`` decodes ``ctx.seqs`` and raises on a match)."""
+Steps are counted per process, across engine rebuilds, starting at 1. The engine service's
+one-token canary step after a rebuild is not a counted step and meets no fault. A new kind is one
+parser function in ``PARSERS`` returning a ``Fault``; it sees each step's scheduled sequences
+through ``StepContext``."""
 
 from __future__ import annotations
 
@@ -33,6 +39,12 @@ class StepContext:
     seqs: list  # the scheduled engine Sequence objects (.request_id, .token_ids, .num_prompt_tokens)
     engine: object  # the LLMEngine (for .tokenizer, e.g. to decode seqs)
     abandoned: threading.Event  # set once the supervisor has given up on this step's engine
+    prompt_text: Callable[[object], str | None] | None = None  # a seq's prompt as the client sent it
+
+    def text_of(self, seq) -> str:
+        """The prompt of ``seq`` as sent (the messages' contents, or the prompt), else decoded."""
+        text = self.prompt_text(seq) if self.prompt_text is not None else None
+        return text if text is not None else self.engine.tokenizer.decode(seq.prompt_token_ids)
 
 
 class Fault:
@@ -57,6 +69,43 @@ class StepRaise(Fault):
         if not self.fired and ctx.step == self.at_step:
             self.fired = True
             raise InjectedFault(f"injected fault {self.spec!r}: engine step {ctx.step} raises")
+
+
+@dataclass
+class StepRaiseEvery(Fault):
+    every: int
+    spec: str = ""
+
+    def before_step(self, ctx: StepContext) -> None:
+        if ctx.step % self.every == 0:
+            raise InjectedFault(f"injected fault {self.spec!r}: engine step {ctx.step} raises")
+
+
+@dataclass
+class Poison(Fault):
+    text: str
+    spec: str = ""
+
+    def before_step(self, ctx: StepContext) -> None:
+        for seq in ctx.seqs:
+            if self.text in ctx.text_of(seq):
+                raise InjectedFault(f"injected fault {self.spec!r}: engine step {ctx.step} holds a poisoned "
+                                    f"request ({len(ctx.seqs)} in the batch)")
+
+
+@dataclass
+class OutOfMemory(Fault):
+    at_step: int
+    spec: str = ""
+    fired: bool = False
+
+    def before_step(self, ctx: StepContext) -> None:
+        if not self.fired and ctx.step == self.at_step:
+            self.fired = True
+            import torch  # only a worker process (which has the engine loaded) gets here
+
+            raise torch.OutOfMemoryError(f"injected fault {self.spec!r}: engine step {ctx.step} ran out of "
+                                         f"memory ({len(ctx.seqs)} sequences)")
 
 
 @dataclass
@@ -114,6 +163,23 @@ def _step_raise(spec: str, args: list[str]) -> Fault:
     return StepRaise(_int(spec, args[0], "N"), spec=spec)
 
 
+def _step_raise_every(spec: str, args: list[str]) -> Fault:
+    _nargs(spec, args, 1, "step_raise_every:N")
+    return StepRaiseEvery(_int(spec, args[0], "N"), spec=spec)
+
+
+def _poison(spec: str, args: list[str]) -> Fault:
+    text = ":".join(args)
+    if not text.strip():
+        raise ValueError(f"fault {spec!r}: expected poison:TEXT with a non-empty TEXT")
+    return Poison(text, spec=spec)
+
+
+def _oom(spec: str, args: list[str]) -> Fault:
+    _nargs(spec, args, 1, "oom:N")
+    return OutOfMemory(_int(spec, args[0], "N"), spec=spec)
+
+
 def _step_hang(spec: str, args: list[str]) -> Fault:
     _nargs(spec, args, 2, "step_hang:N:SECONDS")
     return StepHang(_int(spec, args[0], "N"), _float(spec, args[1], "SECONDS"), spec=spec)
@@ -128,8 +194,11 @@ def _rebuild_raise(spec: str, args: list[str]) -> Fault:
 # takes free text (e.g. poison:TEXT) can re-join them with ':'.
 PARSERS: dict[str, Callable[[str, list[str]], Fault]] = {
     "step_raise": _step_raise,
+    "step_raise_every": _step_raise_every,
     "step_hang": _step_hang,
     "rebuild_raise": _rebuild_raise,
+    "poison": _poison,
+    "oom": _oom,
 }
 
 
@@ -141,8 +210,10 @@ def parse_faults(text: str | None) -> list[Fault]:
         if not spec:
             continue
         kind, *args = spec.split(":")
-        parser = PARSERS.get(kind.strip())
+        kind = kind.strip()
+        parser = PARSERS.get(kind)
         if parser is None:
             raise ValueError(f"unknown fault {kind!r} in {spec!r}; known: {', '.join(sorted(PARSERS))}")
-        faults.append(parser(spec, [a.strip() for a in args]))
+        # poison's TEXT is free text, taken as written; numeric arguments may carry spaces
+        faults.append(parser(spec, args if kind == "poison" else [a.strip() for a in args]))
     return faults

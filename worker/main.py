@@ -34,6 +34,7 @@ def run_worker(settings: Settings | None = None) -> int:
     from worker.app import make_app
     from worker.engine_service import EngineService
     from worker.faults import parse_faults
+    from worker import kombu_patches
     from worker.health import HealthServer
     from worker.metrics import WorkerMetrics
     from worker.redis_check import RedisAuthError, check_redis
@@ -69,6 +70,7 @@ def run_worker(settings: Settings | None = None) -> int:
         return EXIT_CONFIG
 
     app = make_app(settings)
+    kombu_patches.apply()  # a Redis restart must not kill the worker (see the module)
     fatal = threading.Event()
 
     def on_fatal(reason: str) -> None:
@@ -79,7 +81,7 @@ def run_worker(settings: Settings | None = None) -> int:
 
     service = EngineService(engine_config, watchdog_timeout=settings.watchdog_timeout,
                             max_rebuilds=settings.max_rebuilds, faults=faults, on_fatal=on_fatal,
-                            batch_wait=settings.batch_wait)
+                            batch_wait=settings.batch_wait, solo_attempts=settings.quarantine.solo_attempts)
     try:
         service.start()  # loads the weights before a single message is taken
     except SystemExit:

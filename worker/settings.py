@@ -79,6 +79,19 @@ class BatchOptions(BaseModel):
                             description="Redis key prefix of the job state")
 
 
+class QuarantineOptions(BaseModel):
+    """Poison-request quarantine (``BATCHERY_QUARANTINE__AFTER`` ...). A request that was in the
+    failing step of ``after`` engine failures runs alone; if it fails alone ``solo_attempts`` times
+    in a row, it fails for good with ``engine_crash``. Strikes are kept in the result backend's
+    Redis under ``key_prefix``, keyed by task id, so they survive retries on any worker. Needs
+    ``BATCHERY_MAX_RETRIES`` >= ``after`` to take effect."""
+
+    after: int = Field(default=2, ge=0, le=100, description="engine failures before running alone; 0 = off")
+    solo_attempts: int = Field(default=2, ge=1, le=10, description="failed runs alone before engine_crash")
+    key_prefix: str = Field(default="batchery:strikes", min_length=1, max_length=64,
+                            description="Redis key prefix of the strike counters")
+
+
 class Settings(BaseSettings):
     """Everything a worker (and a client) needs, from ``BATCHERY_*`` environment variables."""
 
@@ -99,6 +112,7 @@ class Settings(BaseSettings):
     max_num_seqs: int = Field(default=128, ge=1, description="sequences batched together in one engine step")
     engine: EngineOptions = Field(default_factory=EngineOptions)
     batch: BatchOptions = Field(default_factory=BatchOptions)
+    quarantine: QuarantineOptions = Field(default_factory=QuarantineOptions)
 
     # tasks
     concurrency: int | None = Field(default=None, ge=1, description="task threads; None -> max_num_seqs + 25%")

@@ -1,0 +1,99 @@
+"""Poison-request quarantine, the task side: strikes per task, kept in Redis.
+
+When an engine step fails, the engine service fails only the requests that were in that step,
+with an ``EngineFailure`` marked ``struck`` (see ``worker.engine_service``). Each such failure is
+a strike against the task. The task id is stable across Celery retries and redeliveries
+(``{job}-{line}`` for a batch line), so the count lives in the result backend's Redis under
+``{BATCHERY_QUARANTINE__KEY_PREFIX}:{task_id}`` and survives a retry that lands on another worker.
+From ``BATCHERY_QUARANTINE__AFTER`` strikes on, the task asks the engine to run the request alone
+(``GenerationRequest.solo``); the engine service then decides between "innocent" (it completes) and
+poison (``EngineCrash``).
+
+Strikes are read only on a retry or a redelivery, so a first attempt costs no Redis round trip. A
+Redis hiccup never fails a request here: a strike that cannot be read or written is logged and
+skipped, and the request retries as usual."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+
+from worker.metrics import record_quarantined
+
+log = logging.getLogger("batchery.quarantine")
+
+_lock = threading.Lock()
+
+
+class Strikes:
+    """Strike counters on one Redis. Thread-safe (redis-py clients are)."""
+
+    def __init__(self, redis_client, prefix: str = "batchery:strikes", ttl: int = 86400) -> None:
+        self.r = redis_client
+        self.prefix = prefix
+        self.ttl = int(ttl)
+
+    def key(self, task_id: str) -> str:
+        return f"{self.prefix}:{task_id}"
+
+    def get(self, task_id: str) -> int:
+        return int(self.r.get(self.key(task_id)) or 0)
+
+    def add(self, task_id: str) -> int:
+        """Count one more strike; returns the new count. The key expires ``ttl`` seconds after the
+        last strike."""
+        with self.r.pipeline(transaction=True) as p:
+            p.incr(self.key(task_id))
+            p.expire(self.key(task_id), self.ttl)
+            n, _ = p.execute()
+        return int(n)
+
+    def clear(self, task_id: str) -> None:
+        self.r.delete(self.key(task_id))
+
+
+def strikes(app) -> Strikes:
+    """The process's strike store on the result backend's Redis (created on first use)."""
+    store = getattr(app, "batchery_strikes", None)
+    if store is None:
+        with _lock:
+            store = getattr(app, "batchery_strikes", None)
+            if store is None:
+                from tasks.jobs import redis_from_url
+
+                s = app.batchery_settings
+                ttl = max(3600, int(s.visibility_timeout or 0) * 2)
+                store = app.batchery_strikes = Strikes(redis_from_url(s.result_backend), s.quarantine.key_prefix, ttl)
+    return store
+
+
+def prepare(task, gen):
+    """``gen``, to be run alone if ``task`` has been struck ``BATCHERY_QUARANTINE__AFTER`` times."""
+    after = task.app.batchery_settings.quarantine.after
+    req = task.request
+    if after <= 0 or gen.solo or not (req.retries or (req.delivery_info or {}).get("redelivered")):
+        return gen
+    try:
+        n = strikes(task.app).get(req.id)
+    except Exception as exc:  # noqa: BLE001 - a Redis hiccup must not fail the request
+        log.warning("quarantine: could not read the strikes of %s (%s); running it as usual", req.id, exc)
+        return gen
+    if n < after:
+        return gen
+    log.warning("quarantine: %s was in %d failing engine steps; it runs alone", req.id, n)
+    record_quarantined()
+    return dataclasses.replace(gen, solo=True)
+
+
+def record(task, exc) -> None:
+    """Count a strike if ``exc`` (an ``EngineFailure``) says the request was in the failing step."""
+    after = task.app.batchery_settings.quarantine.after
+    if after <= 0 or not getattr(exc, "struck", False):
+        return
+    try:
+        n = strikes(task.app).add(task.request.id)
+    except Exception as err:  # noqa: BLE001
+        log.warning("quarantine: could not count a strike against %s (%s)", task.request.id, err)
+        return
+    log.info("quarantine: strike %d of %d against %s", n, after, task.request.id)
