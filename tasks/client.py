@@ -125,11 +125,14 @@ class Client:
         self.queue = settings.queue
         self.app = make_app(settings)
         self._jobs = None
+        self._broker_redis = None  # for tasks.recover, on first use
         self._credentials_checked = False
 
     def close(self) -> None:
         if self._jobs is not None:
             self._jobs.r.close()
+        if self._broker_redis is not None:
+            self._broker_redis.close()
         self.app.close()
 
     def __enter__(self) -> Client:
@@ -243,16 +246,20 @@ class Client:
         return self.jobs.status(_job_id(job))
 
     def wait_batch(self, job: str | BatchJob, timeout: float | None = None, progress: bool = False,
-                   poll_interval: float = 0.5, on_update: Callable[[BatchJob], None] | None = None) -> BatchJob:
+                   poll_interval: float = 0.5, on_update: Callable[[BatchJob], None] | None = None,
+                   recover_after: float | None = 10.0) -> BatchJob:
         """Wait until the job ends (completed, failed or cancelled) and return its final state.
         ``progress`` draws a live bar on stderr (on a terminal; else a line now and then).
-        ``on_update`` sees every polled state (and may raise to stop waiting). Raises
-        ``ResultTimeout`` after ``timeout`` seconds."""
+        ``on_update`` sees every polled state (and may raise to stop waiting). Rides out Redis
+        outages. When the job has made no progress for ``recover_after`` seconds, looks for lines
+        whose messages the broker lost and queues them again (``requeue_lost``; None: never).
+        Raises ``ResultTimeout`` after ``timeout`` seconds."""
         from tasks.progress import Progress
 
         job_id = _job_id(job)
         bar = Progress(sys.stderr) if progress else None
         deadline = None if timeout is None else time.monotonic() + timeout
+        last_done, last_change = -1, time.monotonic()
         try:
             while True:
                 st = self._status_through_outages(job_id, deadline)
@@ -262,6 +269,15 @@ class Client:
                     on_update(st)
                 if st.is_terminal:
                     return st
+                now = time.monotonic()
+                if st.num_done != last_done:
+                    last_done, last_change = st.num_done, now
+                elif recover_after is not None and now - last_change >= recover_after:
+                    last_change = now  # look again only after another quiet period
+                    try:
+                        self.requeue_lost(st)
+                    except Exception as exc:  # noqa: BLE001 - a failed look must not stop the wait
+                        log.warning("could not check batch job %s for lost lines: %s", job_id, exc)
                 if deadline is not None and time.monotonic() >= deadline:
                     raise ResultTimeout(f"batch job {job_id} is still {st.status} after {timeout:g} s "
                                         f"({st.num_done}/{st.request_counts.total} done)")
@@ -270,6 +286,22 @@ class Client:
         finally:
             if bar is not None:
                 bar.close()
+
+    def requeue_lost(self, job: str | BatchJob) -> int:
+        """Queue again the lines of a running job whose task messages the broker lost (a Redis
+        restart or a worker death at the wrong moment: see ``tasks.recover``). Returns how many;
+        0 on a broker other than Redis."""
+        from tasks.publish import is_redis_url
+        from tasks.recover import requeue_lost
+
+        if not is_redis_url(self.settings.broker_url):
+            return 0
+        st = job if isinstance(job, BatchJob) else self.jobs.status(_job_id(job))
+        if self._broker_redis is None:
+            from tasks.jobs import redis_from_url
+
+            self._broker_redis = redis_from_url(self.settings.broker_url)
+        return requeue_lost(self.jobs, self._broker_redis, st.id, st.queue)
 
     def _status_through_outages(self, job_id: str, deadline: float | None) -> BatchJob:
         """``jobs.status``, waiting out a Redis outage (restart, failover) with backoff and saying

@@ -6,6 +6,7 @@ Keys (``prefix`` is ``BATCHERY_BATCH__KEY_PREFIX``, default ``batchery:batch``):
     {prefix}:{job}          hash  status, counts, usage, timestamps, metadata, limits
     {prefix}:{job}:results  hash  line number -> output or error record (JSON)
     {prefix}:{job}:running  hash  line number -> lease deadline (time.time()), for cancellation
+    {prefix}:{job}:pending  hash  line number -> its queued task message, until the line has a record
     {prefix}:index          zset  job id, scored by creation time
 
 Every transition is one Lua script, so it is atomic against every other writer:
@@ -13,7 +14,7 @@ Every transition is one Lua script, so it is atomic against every other writer:
 - ``claim``: a worker may run a line only while the job is ``validating`` or ``in_progress`` and the
   line has no record yet; it takes a lease on the line.
 - ``write``: ``HSETNX`` of the record and, only if it was new, the counter increments, all in one
-  script. A redelivered or retried request can never duplicate a line or a count. The last record
+  script (and the line leaves the ``pending`` ledger). A redelivered or retried request can never duplicate a line or a count. The last record
   of an ``in_progress`` job moves it to ``finalizing``; ``finalize`` then makes it ``completed``
   (and applies the job's TTL to all its keys).
 - ``end_submit``: the submitter's last word: the final total; ``validating`` -> ``in_progress``
@@ -23,7 +24,12 @@ Every transition is one Lua script, so it is atomic against every other writer:
 
 ``status`` also repairs what a dead process left behind: a job stuck in ``finalizing`` (its
 finalizer died) is finalized, a ``cancelling`` one re-checks its leases, and a ``validating`` one
-whose submitter stopped beating fails with ``submission_interrupted``."""
+whose submitter stopped beating fails with ``submission_interrupted``.
+
+The ``pending`` ledger keeps a copy of each line's task message until the line is recorded, so a
+message the broker lost (kombu's Redis transport pops a message with BRPOP before it records it as
+unacknowledged: a Redis restart or a worker death in between loses it) can be found and queued
+again (``tasks.recover``). It costs about as much Redis memory as the queue itself while lines wait."""
 
 from __future__ import annotations
 
@@ -48,6 +54,7 @@ local function finish(job, results, running, status, now, ttl)
   redis.call('EXPIRE', job, ttl)
   redis.call('EXPIRE', results, ttl)
   redis.call('DEL', running)
+  if KEYS[4] then redis.call('DEL', KEYS[4]) end
 end
 local function live_leases(running, now)
   local leases = redis.call('HGETALL', running)
@@ -79,12 +86,13 @@ inherit_ttl(KEYS[3], KEYS[1])
 return 'run'
 """
 
-# KEYS: job, results, running
+# KEYS: job, results, running, pending
 # ARGV: line, record, counter (completed|failed), prompt_tokens, completion_tokens, now, ttl
 _WRITE = _PRELUDE + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {0, 'gone'} end
 redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[1])
 if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then return {0, status} end
 inherit_ttl(KEYS[2], KEYS[1])
 redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
@@ -247,7 +255,7 @@ class JobStore:
 
     def keys(self, job_id: str) -> list[str]:
         k = self.key(job_id)
-        return [k, f"{k}:results", f"{k}:running"]
+        return [k, f"{k}:results", f"{k}:running", f"{k}:pending"]
 
     @property
     def index_key(self) -> str:
@@ -279,6 +287,26 @@ class JobStore:
             pipe.hincrby(k, "total", num_requests)
         pipe.hset(k, mapping={"max_line": max_line, "submit_beat": repr(time.time())})
         pipe.hget(k, "status")
+
+    def ledger_in(self, pipe, job_id: str, messages: list[tuple[int, str]]) -> None:
+        """Add to ``pipe`` the copies of a chunk's task messages, by line, for ``tasks.recover``."""
+        if messages:
+            key = self.keys(job_id)[3]
+            pipe.hset(key, mapping={_line_key(line): msg for line, msg in messages})
+            pipe.expire(key, self.ttl)
+
+    def pending_lines(self, job_id: str) -> set[int]:
+        """Lines whose task message was queued and that have no record yet."""
+        return {int(x) for x in self.r.hkeys(self.keys(job_id)[3])}
+
+    def pending_messages(self, job_id: str, lines: list[int]) -> dict[int, str]:
+        raw = self.r.hmget(self.keys(job_id)[3], [_line_key(n) for n in lines]) if lines else []
+        return {n: _s(m) for n, m in zip(lines, raw) if m is not None}
+
+    def leased_lines(self, job_id: str) -> set[int]:
+        """Lines some worker is running now (an unexpired lease)."""
+        now = time.time()
+        return {int(_s(k)) for k, v in self.r.hgetall(self.keys(job_id)[2]).items() if float(v) >= now}
 
     def write_in(self, pipe, job_id: str, line: int, record: dict, failed: bool,
                  prompt_tokens: int = 0, completion_tokens: int = 0) -> None:

@@ -141,7 +141,7 @@ class Submitter:
                                              "(BATCHERY_BATCH__MAX_LINES)")
                 return True
             if isinstance(item, BatchLine):
-                messages.append(self._message(item))
+                messages.append((item.line, self._message(item)))
             else:
                 errors.append(item)
             self.max_line = item.line
@@ -166,6 +166,8 @@ class Submitter:
         with self.store.r.pipeline(transaction=False) as p:
             for e in errors:
                 self.store.write_in(p, self.job_id, e.line, line_error_record(self.job_id, e), failed=True)
+            if self.builder is not None:  # the ledger, before the messages: see tasks.recover
+                self.store.ledger_in(p, self.job_id, messages)
             self.store.queue_chunk(p, self.job_id, n, self.max_line)
             status = p.execute()[-1]
         self.total += n
@@ -176,10 +178,10 @@ class Submitter:
         if messages:
             if self.builder is not None:
                 with self.broker.pipeline(transaction=False) as p:
-                    self.builder.push(p, messages)
+                    self.builder.push(p, [m for _, m in messages])
                     p.execute()
             else:
-                self._send_tasks(messages)
+                self._send_tasks([m for _, m in messages])
         return False
 
     def _send_tasks(self, messages: list) -> None:

@@ -1,0 +1,767 @@
+"""Chaos benchmark: batch jobs through real worker processes and a real Redis while things break.
+
+Each scenario submits a batch job, breaks something on the way, waits for the job to end and
+reads every record back. One table row per scenario:
+
+- requests: request lines in the job;
+- completed / failed: lines with a 200 record / with an error record;
+- lost: lines with no record once the job ended (or once the wait gave up);
+- duplicated: lines counted more than once (the job's counters above its records, or tokens
+  counted twice);
+- recovery seconds: how long the fault held the job up (per scenario, below).
+
+The scenarios (issue 5):
+
+1. ``raise``: an engine step raises every 40 steps through a 300-request job. Recovery: the
+   longest time from an engine failure to the next line finished.
+2. ``hang``: a step hangs; the watchdog (2 s) abandons it. Recovery: from the hang to the next
+   line finished.
+3. ``kill``: the only worker is SIGKILLed mid-job, and a new one started. Recovery: from the kill
+   until every line the dead worker held (its unacknowledged messages) has a record.
+4. ``kill-1-of-2``: two workers, one SIGKILLed; the survivor finishes. Recovery as in 3.
+5. ``redis-restart``: a private ``redis-server`` with AOF (``appendfsync always``) is stopped and
+   started again mid-job; workers and the client reconnect. Recovery: from the stop until every
+   line unacknowledged at that moment has a record.
+6. ``poison``: poison lines (``poison:XYZZY``) among 200 good ones: only the poison lines fail,
+   with ``engine_crash``. Recovery: the longest time from an engine failure to the next line
+   finished.
+7. ``oom``: three steps raise ``torch.OutOfMemoryError``; the engine shrinks its steps, nothing
+   fails and nothing is rebuilt. Recovery: from the first OOM to the next line finished.
+8. ``deadlines``: 200 lines with 1 s deadlines and long generations: all fail with
+   ``deadline_exceeded`` and the KV pool returns to full. Recovery: from the job's end until the
+   pool is full again.
+
+In every row lost and duplicated must be 0 and failed must be exactly the lines meant to fail; the
+exit code is 1 otherwise. Everything runs against ``--redis`` (its own database, default 12) or a
+private Redis, with its own queues and key prefixes, deleted afterwards. Usage::
+
+    .venv/bin/python benchmarks/chaos.py                      # tiny model, all 8 scenarios
+    .venv/bin/python benchmarks/chaos.py --model smollm2-135m-instruct --only poison,oom
+    .venv/bin/python benchmarks/chaos.py --fast                # the sizes the tests use
+
+``tests/test_chaos.py`` runs the same scenarios with ``--fast`` sizes and asserts each row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # tiny_model
+
+WORDS = ("summarize this text the cat and the dog by the sea story about a river city light music book "
+         "paper stone fire wind rain snow tree flower").split()
+POISON = "XYZZY"
+LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ", re.M)
+
+
+# -- results --------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    scenario: str
+    requests: int
+    completed: int
+    failed: int
+    lost: int
+    duplicated: int
+    recovery_s: float | None
+    expected_failed: int
+    unexpected: list[str] = field(default_factory=list)  # custom_ids whose outcome was not the intended one
+    checks: dict[str, bool] = field(default_factory=dict)  # scenario-specific conditions
+    notes: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return (self.lost == 0 and self.duplicated == 0 and self.failed == self.expected_failed
+                and not self.unexpected and all(self.checks.values()))
+
+    def cells(self) -> list[str]:
+        rec = "-" if self.recovery_s is None else f"{self.recovery_s:.2f}"
+        return [self.scenario, str(self.requests), str(self.completed), str(self.failed), str(self.lost),
+                str(self.duplicated), rec]
+
+
+HEADER = ["scenario", "requests", "completed", "failed", "lost", "duplicated", "recovery seconds"]
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(r.cells()) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+@dataclass
+class Sizes:
+    """Job sizes and timings: the full benchmark, or ``fast()`` for the tests."""
+
+    raise_requests: int = 300
+    raise_every: int = 40
+    hang_requests: int = 100
+    kill_requests: int = 200
+    redis_requests: int = 200
+    poison_good: int = 200
+    poison_bad: int = 4
+    oom_requests: int = 200
+    deadline_requests: int = 200
+    max_tokens: int = 16
+    kill_max_tokens: int = 48  # longer lines, so a kill finds work in flight
+    task_timeout: float = 20.0  # per-attempt deadline; the visibility timeout follows it
+    job_timeout: float = 300.0
+    recover_after: float = 10.0  # no progress for this long: the client looks for lines the broker lost
+
+    @classmethod
+    def fast(cls) -> Sizes:
+        return cls(raise_requests=60, raise_every=20, hang_requests=24, kill_requests=48, redis_requests=48,
+                   poison_good=40, poison_bad=2, oom_requests=40, deadline_requests=40, max_tokens=12,
+                   kill_max_tokens=32, task_timeout=10.0, job_timeout=120.0, recover_after=5.0)
+
+    @property
+    def retry_backoff_max(self) -> float:
+        return 1.0
+
+    @property
+    def visibility_timeout(self) -> float:
+        return self.task_timeout + self.retry_backoff_max + 1.0
+
+
+# -- processes ------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+def log_times(text: str, pattern: str) -> list[float]:
+    """Timestamps (epoch seconds) of the worker log lines matching ``pattern``."""
+    out = []
+    for line in text.splitlines():
+        m = LOG_TIME.match(line)
+        if m and re.search(pattern, line):
+            out.append(datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp())
+    return out
+
+
+class _Capture(logging.Handler):
+    """Collects the messages of a logger of this process (the client's), from now until close()."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+        self.logger = logging.getLogger(name)
+        self.old_level = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def has(self, text: str) -> bool:
+        return any(text in m for m in list(self.messages))
+
+    def close(self) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.old_level)
+        super().close()
+
+
+class Worker:
+    """A ``batchery worker`` subprocess, its log in a file."""
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        self.env = env
+        self.log_path = log_path
+        self.health_port = int(env["BATCHERY_HEALTH_PORT"])
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tasks.cli", "worker"], cwd=REPO, env=env,
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 600.0) -> Worker:
+        def ready():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited ({self.proc.returncode}) before it was ready:\n{self.tail()}")
+            return "batchery worker ready" in self.log()
+
+        wait_until(ready, timeout, "the worker to be ready", 0.1)
+        return self
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log().splitlines()[-n:])
+
+    def stats(self) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/stats", timeout=5) as r:
+            return json.loads(r.read())
+
+    def sigkill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self, grace: float = 20.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+class PrivateRedis:
+    """A ``redis-server`` of our own on a free port, persisting with AOF (fsync on every write)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.dir = workdir / "redis"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.conf = self.dir / "redis.conf"
+        self.conf.write_text("\n".join([
+            f"port {self.port}", "bind 127.0.0.1", f"dir {self.dir}", "appendonly yes", "appendfsync always",
+            'save ""', "maxmemory-policy noeviction", "daemonize no", f"logfile {self.dir / 'redis.log'}",
+        ]) + "\n")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> PrivateRedis:
+        import redis
+
+        self.proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", str(self.conf)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+
+        def up():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited ({self.proc.returncode}); see {self.dir / 'redis.log'}")
+            try:
+                return client.ping()
+            except redis.RedisError:  # refused, or still loading the AOF
+                return False
+
+        try:
+            wait_until(up, 30, "the private redis-server")
+        finally:
+            client.close()
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # a clean shutdown: the AOF is fsynced anyway
+            self.proc.wait(30)
+
+
+# -- the harness ----------------------------------------------------------------------------------
+class Chaos:
+    """Runs scenarios: spawns workers on ``model``, submits jobs, tallies the records."""
+
+    def __init__(self, model: str, redis_url: str, workdir: Path, sizes: Sizes, *, dtype: str = "float32",
+                 max_num_seqs: int = 64, num_kv_blocks: int | None = 2048, verbose: bool = True) -> None:
+        self.model = model
+        self.redis_url = redis_url
+        self.workdir = Path(workdir)
+        self.sizes = sizes
+        self.dtype = dtype
+        self.max_num_seqs = max_num_seqs
+        self.num_kv_blocks = num_kv_blocks
+        self.verbose = verbose
+        self.workers: list[Worker] = []
+        self.clients: list = []
+        self.redises: list[PrivateRedis] = []
+        self.namespaces: list[tuple[str, str]] = []  # (redis url, queue) to clean up
+        self.requeued = 0  # lines whose messages the broker lost, queued again by the client
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    def say(self, msg: str) -> None:
+        if self.verbose:
+            print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    def new_queue(self, url: str | None = None) -> str:
+        q = f"batchery-chaos-{uuid.uuid4().hex[:10]}"
+        self.namespaces.append((url or self.redis_url, q))
+        return q
+
+    def env(self, queue: str, url: str | None = None, **overrides) -> dict[str, str]:
+        s = self.sizes
+        url = url or self.redis_url
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHERY_")}
+        env.update({
+            "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "BATCHERY_BROKER_URL": url,
+            "BATCHERY_RESULT_BACKEND": url,
+            "BATCHERY_MODEL": self.model,
+            "BATCHERY_DTYPE": self.dtype,
+            "BATCHERY_QUEUE": queue,
+            "BATCHERY_HEALTH_HOST": "127.0.0.1",
+            "BATCHERY_HEALTH_PORT": str(free_port()),
+            "BATCHERY_MAX_NUM_SEQS": str(self.max_num_seqs),
+            "BATCHERY_ENGINE__MAX_MODEL_LEN": "2048",
+            "BATCHERY_TASK_TIMEOUT": f"{s.task_timeout:g}",
+            "BATCHERY_MAX_TASK_TIMEOUT": f"{s.task_timeout:g}",
+            "BATCHERY_RETRY_BACKOFF": "0.2",
+            "BATCHERY_RETRY_BACKOFF_MAX": f"{s.retry_backoff_max:g}",
+            "BATCHERY_VISIBILITY_TIMEOUT": f"{s.visibility_timeout:g}",
+            "BATCHERY_RESULT_EXPIRES": "3600",
+            "BATCHERY_SHUTDOWN_GRACE": "2",
+            "BATCHERY_WATCHDOG_TIMEOUT": "30",
+            "BATCHERY_BATCH__KEY_PREFIX": f"{queue}:batch",
+            "BATCHERY_QUARANTINE__KEY_PREFIX": f"{queue}:strikes",
+        })
+        if self.num_kv_blocks:
+            env["BATCHERY_ENGINE__NUM_KV_BLOCKS"] = str(self.num_kv_blocks)
+        env.update({k: str(v) for k, v in overrides.items()})
+        return env
+
+    def spawn(self, queue: str, url: str | None = None, *, ready: bool = True, **overrides) -> Worker:
+        log_path = self.workdir / f"worker-{len(self.workers)}-{queue}.log"
+        w = Worker(self.env(queue, url, **overrides), log_path)
+        self.workers.append(w)
+        return w.wait_ready() if ready else w
+
+    def client(self, queue: str, url: str | None = None):
+        from tasks.client import Client
+        from worker.settings import Settings
+
+        s = self.sizes
+        url = url or self.redis_url
+        c = Client(settings=Settings(
+            broker_url=url, result_backend=url, queue=queue, model=self.model, task_timeout=s.task_timeout,
+            max_task_timeout=s.task_timeout, retry_backoff=0.2, retry_backoff_max=s.retry_backoff_max,
+            visibility_timeout=s.visibility_timeout, result_expires=3600,
+            batch={"key_prefix": f"{queue}:batch", "ttl": 3600}))
+        self.clients.append(c)
+        return c
+
+    def lines(self, n: int, *, prefix: str = "r", max_tokens: int | None = None, poison: set[int] = frozenset(),
+              **body) -> list[dict]:
+        out = []
+        for i in range(n):
+            words = [WORDS[(i * 7 + j) % len(WORDS)] for j in range(4 + i % 9)]
+            if i in poison:
+                words.insert(len(words) // 2, POISON)
+            out.append({"custom_id": f"{prefix}-{i}", "method": "POST", "url": "/v1/chat/completions",
+                        "body": {"messages": [{"role": "user", "content": " ".join(words)}],
+                                 "max_tokens": max_tokens or self.sizes.max_tokens, "temperature": 0,
+                                 "ignore_eos": True, **body}})
+        return out
+
+    def done(self, client, job_id: str) -> int:
+        c = client.batch_status(job_id).request_counts
+        return c.completed + c.failed
+
+    def wait_job(self, client, job_id: str):
+        """Wait as ``batchery batch wait`` does (riding out outages, re-queueing lines the broker
+        lost); notes how many lines had to be re-queued."""
+        from worker.errors import ResultTimeout
+
+        capture = _Capture("batchery.recover")
+        try:
+            return client.wait_batch(job_id, timeout=self.sizes.job_timeout, poll_interval=0.2,
+                                     recover_after=self.sizes.recover_after)
+        except ResultTimeout as exc:
+            self.say(f"gave up waiting: {exc}")
+            return client.batch_status(job_id)
+        finally:
+            capture.close()
+            for m in capture.messages:
+                found = re.search(r"the messages of (\d+) lines", m)
+                if found:
+                    self.requeued += int(found.group(1))
+
+    def held_lines(self, url: str, queue: str, job_id: str) -> set[int]:
+        """The lines of ``job_id`` whose messages are unacknowledged (held by some worker) now."""
+        import redis
+
+        r = redis.Redis.from_url(url)
+        lines = set()
+        try:
+            for raw in r.hvals("unacked"):
+                try:
+                    message, _exchange, routing_key = json.loads(raw)
+                except ValueError:
+                    continue
+                task_id = (message.get("headers") or {}).get("id", "")
+                if routing_key == queue and task_id.startswith(job_id + "-"):
+                    lines.add(int(task_id.rsplit("-", 1)[1]))
+        finally:
+            r.close()
+        return lines
+
+    def recorded(self, client, job_id: str, lines: set[int]) -> bool:
+        results = client.jobs.keys(job_id)[1]
+        have = client.jobs.r.hmget(results, [str(n) for n in sorted(lines)]) if lines else []
+        return all(v is not None for v in have)
+
+    def tally(self, name: str, client, job_id: str, lines: list[dict], *, expected_failed: dict[str, str],
+              recovery_s: float | None, checks: dict[str, bool] | None = None, notes: str = "") -> Row:
+        """Read the job back. ``expected_failed``: custom_id -> the error code it must have."""
+        job = client.batch_status(job_id)
+        records = list(client.batch_results(job_id))
+        ids = [ln["custom_id"] for ln in lines]
+        per_id = Counter(r["custom_id"] for r in records)
+        lost = sum(1 for cid in ids if per_id[cid] == 0)
+        counted = job.request_counts.completed + job.request_counts.failed
+        duplicated = sum(n - 1 for n in per_id.values() if n > 1) + max(0, counted - len(records))
+        tokens = sum(r["response"]["body"]["usage"]["completion_tokens"] for r in records if r["error"] is None)
+        if tokens != job.usage.completion_tokens:
+            notes = (notes + "; " if notes else "") + f"tokens: job {job.usage.completion_tokens} != records {tokens}"
+            duplicated = max(duplicated, 1)
+        failed = [r for r in records if r["error"] is not None]
+        unexpected = sorted({r["custom_id"] for r in failed
+                             if expected_failed.get(r["custom_id"]) != r["error"]["code"]}
+                            | {cid for cid in expected_failed if per_id[cid] and cid not in
+                               {r["custom_id"] for r in failed}})
+        checks = dict(checks or {})
+        checks["job completed"] = job.status == "completed"
+        if self.requeued:
+            notes = (notes + "; " if notes else "") + f"{self.requeued} lines re-queued (their messages were lost)"
+            self.requeued = 0
+        row = Row(name, len(ids), len(records) - len(failed), len(failed), lost, duplicated, recovery_s,
+                  len(expected_failed), unexpected, checks, notes)
+        self.say(f"{name}: {'ok' if row.ok else 'NOT OK'} {row.cells()} checks={checks} unexpected={unexpected[:5]} "
+                 f"{notes}")
+        return row
+
+    @staticmethod
+    def after_fault(worker: Worker, fault: str, success: str = r"batch_line\[\S+\] succeeded") -> float | None:
+        """The longest time from a log line matching ``fault`` to the next line finished."""
+        text = worker.log()
+        faults, oks = log_times(text, fault), log_times(text, success)
+        gaps = [min((t for t in oks if t >= f), default=f) - f for f in faults]
+        return max(gaps) if gaps else None
+
+    def close(self) -> None:
+        for w in self.workers:
+            try:
+                w.stop(grace=10)
+            except Exception:  # noqa: BLE001
+                pass
+        for c in self.clients:
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self.cleanup()
+        for r in self.redises:
+            r.stop()
+
+    def cleanup(self) -> None:
+        import redis
+
+        for url, queue in self.namespaces:
+            if any(r.url == url for r in self.redises):
+                continue  # a private Redis goes away whole
+            try:
+                r = redis.Redis.from_url(url)
+                keys = list(r.scan_iter(match=f"{queue}*")) + list(r.scan_iter(match=f"_kombu.binding*{queue}"))
+                if keys:
+                    r.delete(*keys)
+                for tag, raw in r.hscan_iter("unacked"):
+                    try:
+                        if json.loads(raw)[2] == queue:
+                            r.hdel("unacked", tag)
+                            r.zrem("unacked_index", tag)
+                    except (ValueError, IndexError):
+                        pass
+                r.close()
+            except redis.RedisError:
+                pass
+
+    # -- the scenarios ----------------------------------------------------------------------------
+    def engine_raise(self) -> Row:
+        s = self.sizes
+        q = self.new_queue()
+        # 16 sequences a step: more steps, so more failures; every line is shorter than the period
+        w = self.spawn(q, BATCHERY_FAULTS=f"step_raise_every:{s.raise_every}", **self.SMALL)
+        c = self.client(q)
+        lines = self.lines(s.raise_requests)
+        job = c.submit_batch(lines)
+        self.wait_job(c, job)
+        stats = w.stats()
+        row = self.tally("1. engine step raises every %d steps" % s.raise_every, c, job, lines, expected_failed={},
+                         recovery_s=self.after_fault(w, r"ERROR .*engine failure"),
+                         checks={"engine failed and was rebuilt": stats["num_rebuilds"] >= 1},
+                         notes=f"{stats['num_failures']} engine failures")
+        w.stop()
+        return row
+
+    def hang(self) -> Row:
+        s = self.sizes
+        q = self.new_queue()
+        w = self.spawn(q, BATCHERY_FAULTS="step_hang:5:120", BATCHERY_WATCHDOG_TIMEOUT="2")
+        c = self.client(q)
+        lines = self.lines(s.hang_requests)
+        job = c.submit_batch(lines)
+        self.wait_job(c, job)
+        fired = "the watchdog fired" in w.log()
+        row = self.tally("2. engine step hangs (watchdog 2 s)", c, job, lines, expected_failed={},
+                         recovery_s=self.after_fault(w, r"WARNING .*step_hang.* hangs"),
+                         checks={"watchdog fired": fired})
+        w.stop()
+        return row
+
+    # a smaller batch and prefetch than the job, so part of it is still queued when the fault hits
+    SMALL = {"BATCHERY_MAX_NUM_SEQS": "16", "BATCHERY_CONCURRENCY": "20"}
+
+    def _kill(self, name: str, two: bool) -> Row:
+        s = self.sizes
+        q = self.new_queue()
+        w1 = self.spawn(q, **self.SMALL)
+        w2 = self.spawn(q, **self.SMALL) if two else None
+        c = self.client(q)
+        lines = self.lines(s.kill_requests, max_tokens=s.kill_max_tokens)
+        job = c.submit_batch(lines)
+        wait_until(lambda: self.done(c, job) >= len(lines) // 3, s.job_timeout, "a third of the job")
+        t_kill = time.time()
+        w1.sigkill()
+        held = self.held_lines(self.redis_url, q, job)
+        self.say(f"{name}: SIGKILLed worker {w1.proc.pid} at {self.done(c, job)}/{len(lines)} done; "
+                 f"{len(held)} lines unacknowledged")
+        w = w2 if two else self.spawn(q, **self.SMALL)
+        recovered = None
+        try:
+            wait_until(lambda: self.recorded(c, job, held), s.job_timeout, "the held lines to be recorded", 0.1)
+            recovered = time.time() - t_kill
+        except TimeoutError:
+            pass
+        self.wait_job(c, job)
+        row = self.tally(name, c, job, lines, expected_failed={}, recovery_s=recovered,
+                         checks={"the worker held work when killed": bool(held)},
+                         notes=f"visibility timeout {s.visibility_timeout:g} s")
+        w.stop()
+        return row
+
+    def kill_restart(self) -> Row:
+        return self._kill("3. worker SIGKILLed and restarted", two=False)
+
+    def kill_one_of_two(self) -> Row:
+        return self._kill("4. two workers, one SIGKILLed", two=True)
+
+    def redis_restart(self) -> Row:
+        s = self.sizes
+        red = PrivateRedis(self.workdir / f"redis-{len(self.redises)}").start()
+        self.redises.append(red)
+        q = self.new_queue(red.url)
+        w = self.spawn(q, red.url, **self.SMALL)
+        c = self.client(q, red.url)
+        lines = self.lines(s.redis_requests, max_tokens=s.kill_max_tokens)
+        job = c.submit_batch(lines)
+        # the client waits through the outage, as a user's `batchery batch wait` would
+        client_log = _Capture("batchery")
+        waiter = threading.Thread(target=lambda: self.wait_job(c, job), daemon=True)
+        waiter.start()
+        wait_until(lambda: self.done(c, job) >= len(lines) // 3, s.job_timeout, "a third of the job")
+        held = self.held_lines(red.url, q, job)
+        t_stop = time.time()
+        red.stop()
+        self.say(f"redis-restart: stopped Redis with {len(held)} lines unacknowledged")
+        # down until both sides have given up on quick retries: the worker's first reconnect failed,
+        # and the client's status poll ran out of its per-command retries (about 3 s)
+        wait_until(lambda: ("Cannot connect to redis" in w.log() or w.proc.poll() is not None)
+                   and client_log.has("while waiting for batch job"), 60, "the worker and the client to notice", 0.1)
+        red.start()
+        down = time.time() - t_stop
+        self.say(f"redis-restart: Redis back after {down:.2f} s")
+        recovered = None
+        try:
+            wait_until(lambda: self.recorded(c, job, held), s.job_timeout, "the held lines to be recorded", 0.1)
+            recovered = time.time() - t_stop
+        except TimeoutError:
+            pass
+        waiter.join(s.job_timeout)
+        client_log.close()
+        log = w.log()
+        row = self.tally("5. private Redis (AOF) restarted", c, job, lines, expected_failed={}, recovery_s=recovered,
+                         checks={"worker reconnected (logged)": "Connection to broker lost" in log
+                                 and len(re.findall(r"Connected to redis", log)) >= 2,
+                                 "client reconnected (logged)": client_log.has("Redis is back"),
+                                 "worker still alive": w.proc.poll() is None and w.stats()["state"] == "serving"},
+                         notes=f"Redis down {down:.1f} s")
+        w.stop()
+        return row
+
+    def poison(self) -> Row:
+        s = self.sizes
+        q = self.new_queue()
+        w = self.spawn(q, BATCHERY_FAULTS=f"poison:{POISON}")
+        c = self.client(q)
+        n = s.poison_good + s.poison_bad
+        bad = {int((k + 0.5) * n / s.poison_bad) for k in range(s.poison_bad)}
+        lines = self.lines(n, poison=bad)
+        expected = {lines[i]["custom_id"]: "engine_crash" for i in bad}
+        job = c.submit_batch(lines)
+        self.wait_job(c, job)
+        records = {r["custom_id"]: r for r in c.batch_results(job)}
+        named = all(POISON in json.dumps(lines[i]) and "InjectedFault" in
+                    ((records.get(lines[i]["custom_id"]) or {}).get("error") or {}).get("message", "") for i in bad)
+        stats = w.stats()
+        row = self.tally(f"6. {s.poison_bad} poison lines among {s.poison_good} good", c, job, lines,
+                         expected_failed=expected, recovery_s=self.after_fault(w, r"ERROR .*engine failure"),
+                         checks={"engine_crash names the exception": named, "worker never gave up": stats["state"]
+                                 == "serving"},
+                         notes=f"{stats['num_failures']} engine failures, {stats['num_solo_runs']} solo runs")
+        w.stop()
+        return row
+
+    def oom(self) -> Row:
+        s = self.sizes
+        q = self.new_queue()
+        w = self.spawn(q, BATCHERY_FAULTS="oom:5,oom:6,oom:25")
+        c = self.client(q)
+        lines = self.lines(s.oom_requests)
+        job = c.submit_batch(lines)
+        self.wait_job(c, job)
+        stats = w.stats()
+        row = self.tally("7. simulated OOM in 3 steps", c, job, lines, expected_failed={},
+                         recovery_s=self.after_fault(w, r"WARNING .*out of memory"),
+                         checks={"3 OOMs, each shrank the step": stats["engine"].get("num_oom") == 3,
+                                 "no engine failure": stats["num_failures"] == 0})
+        w.stop()
+        return row
+
+    def deadlines(self) -> Row:
+        s = self.sizes
+        q = self.new_queue()
+        w = self.spawn(q)
+        c = self.client(q)
+        lines = self.lines(s.deadline_requests, prefix="slow", max_tokens=1900)
+        job = c.submit_batch(lines, timeout=1)
+        end = self.wait_job(c, job)
+        t_end = end.completed_at or time.time()
+
+        def pool_full():
+            e = w.stats()["engine"]
+            return e["kv_blocks_free"] == e["kv_blocks_total"] and e["num_running"] == 0 and e["num_waiting"] == 0
+
+        full = None
+        try:
+            wait_until(pool_full, 30, "the KV pool to be full again", 0.05)
+            full = max(0.0, time.time() - t_end)
+        except TimeoutError:
+            pass
+        row = self.tally(f"8. {s.deadline_requests} lines with 1 s deadlines", c, job, lines,
+                         expected_failed={ln["custom_id"]: "deadline_exceeded" for ln in lines}, recovery_s=full,
+                         checks={"KV pool back to full": full is not None})
+        w.stop()
+        return row
+
+
+SCENARIOS = {
+    "raise": Chaos.engine_raise,
+    "hang": Chaos.hang,
+    "kill": Chaos.kill_restart,
+    "kill-1-of-2": Chaos.kill_one_of_two,
+    "redis-restart": Chaos.redis_restart,
+    "poison": Chaos.poison,
+    "oom": Chaos.oom,
+    "deadlines": Chaos.deadlines,
+}
+
+
+def machine() -> str:
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"model name\s*:\s*(.+)", f.read())
+            cpu = m.group(1) if m else cpu
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model (default: a tiny random Llama built on the fly)")
+    ap.add_argument("--dtype", default=None, help="dtype (default: float32 for the tiny model, auto otherwise)")
+    ap.add_argument("--redis", default=os.environ.get("BATCHERY_BENCH_REDIS", "redis://127.0.0.1:6379/12"),
+                    help="Redis for the scenarios but the restart one (its own database; default db 12)")
+    ap.add_argument("--only", default="", help=f"comma list of scenarios: {', '.join(SCENARIOS)}")
+    ap.add_argument("--fast", action="store_true", help="the small sizes the tests use")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    args = ap.parse_args(argv)
+
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(SCENARIOS)
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        ap.error(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
+    sizes = Sizes.fast() if args.fast else Sizes()
+    workdir = Path(tempfile.mkdtemp(prefix="batchery-chaos-"))
+    model, kv = args.model, None
+    if model is None:
+        from tiny_model import build_tiny_model
+
+        model, kv = str(build_tiny_model(workdir / "tiny-llama")), 2048
+    else:
+        sizes.task_timeout = max(sizes.task_timeout, 60.0)
+        sizes.job_timeout = max(sizes.job_timeout, 1800.0)
+    dtype = args.dtype or ("float32" if args.model is None else "auto")
+    chaos = Chaos(model, args.redis, workdir, sizes, dtype=dtype, max_num_seqs=args.max_num_seqs, num_kv_blocks=kv)
+    rows: list[Row] = []
+    t0 = time.monotonic()
+    try:
+        for name in names:
+            try:
+                rows.append(SCENARIOS[name](chaos))
+            except Exception as exc:  # noqa: BLE001 - one broken scenario must not hide the others
+                chaos.say(f"{name}: {type(exc).__name__}: {exc}")
+                rows.append(Row(name, 0, 0, 0, 0, 0, None, 0, [f"{type(exc).__name__}: {exc}"]))
+    finally:
+        chaos.close()
+    print(f"\nmachine: {machine()}; model: {args.model or 'tiny random Llama (2 layers)'}; "
+          f"{'fast' if args.fast else 'full'} sizes; visibility timeout {sizes.visibility_timeout:g} s; "
+          f"{time.monotonic() - t0:.0f} s in all\n")
+    print(table(rows))
+    bad = [r for r in rows if not r.ok]
+    for r in bad:
+        print(f"\nNOT OK: {r.scenario}: expected {r.expected_failed} failed; unexpected {r.unexpected[:10]}; "
+              f"checks {r.checks}; {r.notes}")
+    if args.json:
+        print(json.dumps([r.__dict__ for r in rows], indent=1))
+    if not bad:
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        print(f"\nworker logs kept in {workdir}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
