@@ -63,7 +63,7 @@ class EngineOptions(BaseModel):
         default=None, ge=1,
         description="KV pool bytes; unset -> 85% of the GPU memory free after the weights, 1 GiB on CPU")
     enable_prefix_caching: bool = Field(default=True, description="share the KV blocks of common prompt prefixes")
-    attention_backend: str = Field(default="auto", description="auto, torch or triton")
+    attention_backend: str = Field(default="auto", description="auto (C++ kernel on CPU, Triton on CUDA), cpu, torch or triton")
     trust_remote_code: bool = Field(default=False, description="let transformers run a model repo's own code")
     seed: int = Field(default=0, description="sampler seed for requests without their own seed")
 
