@@ -7,6 +7,15 @@ waits are on conditions with timeouts, never blind sleeps."""
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+# Without CUDA, Triton kernels run under the interpreter, which must be chosen before anything
+# imports triton (transformers' model modules do), so it is set here, before every test module.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import json
 import os
 import re
