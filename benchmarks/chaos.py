@@ -404,6 +404,12 @@ class Chaos:
                 if found:
                     self.requeued += int(found.group(1))
 
+    def waiter(self, client, job_id: str) -> threading.Thread:
+        """``wait_job`` in a thread of its own, started."""
+        t = threading.Thread(target=self.wait_job, args=(client, job_id), name="chaos-waiter", daemon=True)
+        t.start()
+        return t
+
     def held_lines(self, url: str, queue: str, job_id: str) -> set[int]:
         """The lines of ``job_id`` whose messages are unacknowledged (held by some worker) now."""
         import redis
@@ -547,6 +553,7 @@ class Chaos:
         c = self.client(q)
         lines = self.lines(s.kill_requests, max_tokens=s.kill_max_tokens)
         job = c.submit_batch(lines)
+        waiter = self.waiter(c, job)  # a client waits throughout, as a user would
         wait_until(lambda: self.done(c, job) >= len(lines) // 3, s.job_timeout, "a third of the job")
         t_kill = time.time()
         w1.sigkill()
@@ -560,7 +567,7 @@ class Chaos:
             recovered = time.time() - t_kill
         except TimeoutError:
             pass
-        self.wait_job(c, job)
+        waiter.join(s.job_timeout)
         row = self.tally(name, c, job, lines, expected_failed={}, recovery_s=recovered,
                          checks={"the worker held work when killed": bool(held)},
                          notes=f"visibility timeout {s.visibility_timeout:g} s")
@@ -584,8 +591,7 @@ class Chaos:
         job = c.submit_batch(lines)
         # the client waits through the outage, as a user's `batchery batch wait` would
         client_log = _Capture("batchery")
-        waiter = threading.Thread(target=lambda: self.wait_job(c, job), daemon=True)
-        waiter.start()
+        waiter = self.waiter(c, job)
         wait_until(lambda: self.done(c, job) >= len(lines) // 3, s.job_timeout, "a third of the job")
         held = self.held_lines(red.url, q, job)
         t_stop = time.time()

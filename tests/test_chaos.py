@@ -146,3 +146,21 @@ def test_hostile_messages_do_not_take_the_worker_down(tiny_worker, tiny_client):
     assert tiny_client.chat([{"role": "user", "content": "hello"}], max_tokens=3).get(timeout=60) \
         .usage.completion_tokens == 3
     store.delete(job)
+
+
+def test_poison_chat_request_reaches_the_client_as_engine_crash(workers):
+    """The same quarantine for single chat tasks: the poison one raises ``EngineCrash`` (not
+    retried further), the others complete, the worker stays up."""
+    from worker.errors import EngineCrash
+
+    w = workers.spawn(BATCHERY_FAULTS=f"poison:{chaos.POISON}")
+    client = workers.client(w.queue)
+    poison = client.chat([{"role": "user", "content": f"the cat {chaos.POISON} sat"}], max_tokens=4)
+    others = client.chat_many([[{"role": "user", "content": f"hello {i}"}] for i in range(6)], max_tokens=4,
+                              ignore_eos=True)
+    with pytest.raises(EngineCrash, match=r"ran alone.*InjectedFault"):
+        poison.get(timeout=120)
+    assert all(h.get(timeout=120).usage.completion_tokens == 4 for h in others)
+    assert w.count(rf"\[{poison.id}\] retry") == 2  # two strikes, then the solo runs in one attempt
+    assert w.stats()["num_poisoned"] == 1 and w.http("/healthz")[0] == 200
+    client.close()

@@ -181,7 +181,7 @@ def test_solo_runs_take_turns_with_held_work(make_service):
         fut.add_done_callback(lambda f: (lock.acquire(), done.append(name), lock.release()))
 
     track("normal-0", s.submit(chat("hello", max_tokens=40))[1])
-    wait_for(lambda: s.engine_stats.get("num_running"), 10, what="the first request to run")
+    wait_for(lambda: s.engine_stats.get("num_running"), 60, what="the first request to run")
     track("solo-a", s.submit(chat("the cat", solo=True, max_tokens=4))[1])
     track("normal-1", s.submit(chat("the dog", max_tokens=4))[1])  # held: a solo run waits
     track("solo-b", s.submit(chat("the sea", solo=True, max_tokens=4))[1])
@@ -272,3 +272,21 @@ def test_lines_whose_messages_were_lost_are_found_and_queued_again(redis_urls):
             if keys:
                 r.delete(*keys)
         c.close()
+
+
+def test_an_engine_that_fails_all_real_work_is_given_up_not_blamed_on_requests(make_service):
+    """Its canary passes, but every work step fails: requests run alone fail one after the other.
+    After a few such verdicts with no successful step in between, the service gives up (the
+    worker exits non-zero and the rest of the work goes back to the queue) instead of calling
+    every request poison."""
+    from worker.engine_service import POISON_BREAKER
+    from worker.errors import EngineUnavailable
+
+    reasons = []
+    s = make_service("step_raise_every:1", on_fatal=reasons.append)
+    futures = [s.submit(chat(f"hello {i}", solo=True))[1] for i in range(POISON_BREAKER + 3)]
+    results = outcomes(futures)
+    wait_for(lambda: reasons, 30, what="on_fatal")
+    assert "looks broken" in reasons[0] and s.fatal
+    assert sum(isinstance(r, EngineCrash) for r in results) == POISON_BREAKER
+    assert all(isinstance(r, EngineUnavailable) for r in results[POISON_BREAKER:])

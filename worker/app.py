@@ -37,6 +37,10 @@ def make_app(settings: Settings | None = None) -> Celery:
             # default 10 x 10): make it one sweep per interval, a tenth of the visibility timeout
             "unacked_restore_interval": max(1.0, min(10.0, settings.visibility_timeout / 10)),
             "unacked_restore_throttle": 1,
+            # the sweep holds a Redis lock shared by every worker on the broker; a worker killed
+            # while holding it would stop all sweeps for the lock's expiry (kombu: 300 s). Each
+            # restore is its own WATCH transaction, so a short expiry cannot restore twice.
+            "unacked_mutex_expire": int(max(5.0, min(300.0, settings.visibility_timeout / 4))),
         },
         # the result backend rides out a Redis restart (clients polling results, workers storing them)
         result_backend_always_retry=True,

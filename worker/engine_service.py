@@ -16,7 +16,7 @@ non-zero. Nothing here ever exits the process.
 Who pays for a failure: only the requests in the failing step (for a hang, the hung step) get the
 ``EngineFailure``, marked ``struck``; the task records the strike and retries. Every other pending
 request (waiting in the engine, or not yet in it) is carried over to the new engine in-process. A
-rebuilt engine first runs a one-token canary step; only a failed canary (or a failed build) counts
+rebuilt engine first runs a two-token canary; only a failed canary (or a failed build) counts
 towards ``max_rebuilds``, so a request that crashes every engine it meets cannot make the worker
 give up.
 
@@ -24,7 +24,8 @@ Quarantine: a request submitted with ``solo=True`` (the task does so once it has
 ``K`` times) runs alone: new work is held while the engine drains, the request runs by itself,
 then held work goes in before the next quarantined request. If it fails alone on
 ``solo_attempts`` consecutive runs (each after a canary proved the engine sound), it is poison and
-its future raises ``EngineCrash``, naming the exception."""
+its future raises ``EngineCrash``, naming the exception. ``POISON_BREAKER`` verdicts in a row with
+no successful step between them mean the engine fails real work: the service gives up instead."""
 
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ IDLE_WAIT_S = 1.0  # the idle loop wakes this often just to show it is alive
 BATCH_QUIET_S = 0.01  # gathering a burst ends once no request has arrived for this long
 SUPERVISOR_TICK_S = 0.1
 CANARY_ID = "batchery-canary"
+POISON_BREAKER = 5  # this many poison verdicts with no successful step between them: the engine is broken
 
 
 @dataclass
@@ -169,6 +171,7 @@ class EngineService:
         self._token_text: dict[int, str] = {}
         self._step_rids: tuple[str, ...] = ()  # the requests in the step now running (or the hung one)
         self._in_canary = False
+        self._verdicts_in_a_row = 0  # poison verdicts since the last successful work step
 
         # counters for /stats (process lifetime, across rebuilds)
         self.num_steps = 0
@@ -450,7 +453,7 @@ class EngineService:
                     continue  # nothing was scheduled: not progress, so the watchdog keeps counting
                 self._last_beat = self._last_step_at = time.monotonic()
                 self._engine_steps += 1
-                self._failed_rebuilds = 0
+                self._failed_rebuilds = self._verdicts_in_a_row = 0
                 self.num_step_tokens += engine.last_step_num_tokens
                 self.engine_stats = engine.stats()
                 self.step_stats.observe(gen, step_s, self.engine_stats)
@@ -484,15 +487,16 @@ class EngineService:
                 return
 
     def _run_canary(self, engine, abandoned: threading.Event) -> None:
-        """Prove a rebuilt engine sound before it takes work: one prompt, one token. If it raises
-        (or hangs), the failure is the engine's, not a request's, and counts as a failed rebuild."""
+        """Prove a rebuilt engine sound before it takes work: one short prompt, two tokens (a
+        prefill and a decode step). If it raises (or hangs), the failure is the engine's, not a
+        request's, and counts as a failed rebuild."""
         from engine.sampling import SamplingParams
 
         with self._lock:
             self._in_canary = True
         t0 = time.perf_counter()
         ids = (engine.encode("Hello") or [0])[:8]
-        engine.add_request(CANARY_ID, ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        engine.add_request(CANARY_ID, ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
         while engine.has_unfinished() and not abandoned.is_set():
             engine.step()
         with self._lock:
@@ -503,9 +507,8 @@ class EngineService:
             self._last_beat = time.monotonic()
         log.info("rebuilt engine passed its canary step (%.3f s)", time.perf_counter() - t0)
 
-    def _apply(self, engine, ops: list, lanes: _Lanes | None = None) -> None:
+    def _apply(self, engine, ops: list, lanes: _Lanes) -> None:
         """Apply queued aborts and adds, then admit what quarantine allows. Loop thread only."""
-        lanes = lanes if lanes is not None else _Lanes()
         for op, arg in ops:
             if op == "abort":
                 engine.abort(arg)
@@ -704,6 +707,13 @@ class EngineService:
         del exc
         if canary_failed:
             self._failed_rebuilds += 1  # rebuilt, but the engine failed its canary step
+        self._verdicts_in_a_row += len(poisoned)
+        if self._verdicts_in_a_row >= POISON_BREAKER:
+            # Poison is rare; request after request failing alone, with nothing succeeding in
+            # between, means this engine fails real work (its canary is too small to show it).
+            self._give_up(f"{self._verdicts_in_a_row} requests in a row failed alone with no successful engine step "
+                          f"in between: the engine, not the requests, looks broken (last failure: {reason})")
+            return
         self._rebuild(reason)
 
     def _triage(self, in_step: set[str]) -> tuple[list[_Pending], list[_Pending], list[_Pending]]:

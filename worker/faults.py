@@ -12,7 +12,7 @@
                           (``torch.OutOfMemoryError``), once: the engine shrinks its steps and goes on.
 
 Steps are counted per process, across engine rebuilds, starting at 1. The engine service's
-one-token canary step after a rebuild is not a counted step and meets no fault. A new kind is one
+two-token canary after a rebuild is not a counted step and meets no fault. A new kind is one
 parser function in ``PARSERS`` returning a ``Fault``; it sees each step's scheduled sequences
 through ``StepContext``."""
 
