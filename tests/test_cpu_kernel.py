@@ -15,12 +15,14 @@ def kernel():
         pytest.fail("the CPU paged-attention kernel did not build (compiler or ninja missing?)")
 
 
-def _case(dtype, block_size, hkv, groups, head_dim, seed=0):
+def _case(dtype, block_size, hkv, groups, head_dim, seed=0, ctx=(1, 7, None, None, 50)):
     g = torch.Generator().manual_seed(seed)
-    num_blocks, b = 64, 5
+    ctx = torch.tensor([block_size if c is None and i == 2 else 3 * block_size + 5 if c is None else c
+                        for i, c in enumerate(ctx)])
+    b = len(ctx)
+    num_blocks = int(sum(-(-n // block_size) for n in ctx.tolist())) + 8
     kc = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(dtype)
     vc = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(dtype)
-    ctx = torch.tensor([1, 7, block_size, 3 * block_size + 5, 50])
     width = int((ctx.max() + block_size - 1) // block_size)
     perm = torch.randperm(num_blocks, generator=g)
     tables = torch.zeros(b, width, dtype=torch.long)
@@ -48,6 +50,20 @@ def test_cpu_decode_matches_reference(dtype, tol, block_size, hkv, groups, head_
     if window or softcap:  # the options really change the result
         plain = cpu_paged.paged_decode(q, kc, vc, tables, ctx, scale, None, None)
         assert (plain.float() - got.float()).abs().max().item() > 10 * tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("head_dim,window,softcap", [(64, None, None), (128, 13, None), (64, None, 2.0), (48, 7, 1.5)])
+def test_cpu_decode_many_sequences(dtype, tol, head_dim, window, softcap):
+    """Enough sequences that each kernel task takes all KV heads of a sequence (the other split)."""
+    ctx = tuple(1 + (37 * i) % 97 for i in range(max(24, 4 * torch.get_num_threads())))
+    q, kc, vc, tables, ctx = _case(dtype, 16, 3, 3, head_dim, seed=1, ctx=ctx)
+    md = AttentionMetadata(slot_mapping=torch.zeros(len(ctx), dtype=torch.long), num_decode_tokens=len(ctx),
+                           decode_block_tables=tables, decode_context_lens=ctx)
+    scale = head_dim ** -0.5 * 4
+    ref = torch_backend.paged_attention(q, None, None, kc, vc, md, scale, window, softcap)
+    got = cpu_paged.paged_decode(q, kc, vc, tables, ctx, scale, window, softcap)
+    assert (got.float() - ref.float()).abs().max().item() < tol
 
 
 def test_engine_picks_the_cpu_kernel_on_cpu(tiny_model_dir):

@@ -19,18 +19,48 @@ log = logging.getLogger("batchery.engine.attention")
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
-template <typename T>
-static inline float to_f(T x) { return static_cast<float>(x); }
+// Decode attention straight from the paged pool [num_blocks, block_size, Hkv, D].
+// A task is one sequence and a group of its KV heads; with enough sequences every task takes all
+// heads, so each block (all heads of block_size tokens, contiguous) is read front to back once for
+// K and once for V, and the next block is prefetched while this one is used. head_dim is a
+// compile-time constant for the common sizes, so the per-head accumulators live in registers.
 
+static inline void to_float(const float* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
+}
+
+static inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;  // bf16 -> f32 is exact
+}
+
+static inline void prefetch_block(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
+// Rows of one block as float: in place for float, converted into buf for bfloat16.
 template <typename T>
+static inline const float* block_rows(const T* src, float* buf, int64_t n);
+template <>
+inline const float* block_rows<float>(const float* src, float* buf, int64_t n) { (void)buf; (void)n; return src; }
+template <>
+inline const float* block_rows<c10::BFloat16>(const c10::BFloat16* src, float* buf, int64_t n) {
+  to_float(src, buf, n);
+  return buf;
+}
+
+template <typename T, int DT>
 static void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                         const at::Tensor& bt, const at::Tensor& ctx, at::Tensor& out,
                         double scale, int64_t window, double softcap) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t B = q.size(0), H = q.size(1);
+  const int64_t D = DT > 0 ? DT : q.size(2);
   const int64_t bs = kc.size(1), Hkv = kc.size(2);
   const int64_t G = H / Hkv, maxb = bt.size(1);
   const T* qp = q.data_ptr<T>();
@@ -39,65 +69,118 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
   const int64_t* btp = bt.data_ptr<int64_t>();
   const int64_t* cp = ctx.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  const int64_t tok_stride = Hkv * D;  // one token of one block
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores;
+  const int64_t tok_stride = Hkv * D;  // one token of one block: all its KV heads
+  const int64_t blk_stride = bs * tok_stride;
+  const int64_t blk_bytes = blk_stride * static_cast<int64_t>(sizeof(T));
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  const int64_t nthreads = at::get_num_threads();
+  const int64_t groups = B >= 4 * nthreads ? 1 : Hkv;
+  const int64_t hper = Hkv / groups;
+  at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(H * D), acc(H * D), buf(blk_stride), scores, inv(H);
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / Hkv, h = idx % Hkv;
+      const int64_t b = idx / groups, h0 = (idx % groups) * hper;
+      const int64_t hq0 = h0 * G, nq = hper * G;  // this task's query heads
       const int64_t n = cp[b];
       const int64_t start = (window > 0 && n - window > 0) ? n - window : 0;
       const int64_t len = n - start;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qp[(b * H + h * G + g) * D + d]);
-      scores.assign(G * (len > 0 ? len : 1), 0.f);
-      std::vector<float> mx(G, -INFINITY), sum(G, 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t pos = start + t;
-        const int64_t blk = btp[b * maxb + pos / bs];
-        const T* k = kp + (blk * bs + pos % bs) * tok_stride + h * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qq = &qf[g * D];
-          float s = 0.f;
-          for (int64_t d = 0; d < D; ++d) s += qq[d] * to_f(k[d]);
-          s *= (float)scale;
-          if (softcap > 0) s = (float)softcap * std::tanh(s / (float)softcap);
-          scores[g * len + t] = s;
-          if (s > mx[g]) mx[g] = s;
-        }
+      T* dst = op + (b * H + hq0) * D;
+      if (len <= 0) {
+        for (int64_t i = 0; i < nq * D; ++i) dst[i] = static_cast<T>(0.f);
+        continue;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t t = 0; t < len; ++t) {
-          float p = std::exp(scores[g * len + t] - mx[g]);
-          scores[g * len + t] = p;
-          sum[g] += p;
+      const T* src = qp + (b * H + hq0) * D;
+      for (int64_t i = 0; i < nq * D; ++i) qf[i] = static_cast<float>(src[i]) * fscale;
+      scores.resize(nq * len);
+      float* sc = scores.data();
+      const int64_t* table = btp + b * maxb;
+      const int64_t first = start / bs, last = (n - 1) / bs;
+      // pass 1: scores[query head][token]
+      for (int64_t bi = first, t0 = 0; bi <= last; ++bi) {
+        const int64_t lo = bi == first ? start - bi * bs : 0;
+        const int64_t hi = bi == last ? n - bi * bs : bs;
+        if (bi < last) prefetch_block(kp + table[bi + 1] * blk_stride, blk_bytes);
+        const float* rows = block_rows<T>(kp + table[bi] * blk_stride + lo * tok_stride, buf.data(),
+                                          (hi - lo) * tok_stride);
+        for (int64_t j = 0; j < hi - lo; ++j) {
+          const float* row = rows + j * tok_stride;
+          for (int64_t qi = 0; qi < nq; ++qi) {
+            const float* __restrict k = row + (h0 + qi / G) * D;
+            const float* __restrict qq = &qf[qi * D];
+            float s = 0.f;
+            for (int64_t d = 0; d < D; ++d) s += qq[d] * k[d];
+            sc[qi * len + t0 + j] = s;
+          }
         }
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t pos = start + t;
-        const int64_t blk = btp[b * maxb + pos / bs];
-        const T* v = vp + (blk * bs + pos % bs) * tok_stride + h * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * len + t];
-          float* a = &acc[g * D];
-          for (int64_t d = 0; d < D; ++d) a[d] += p * to_f(v[d]);
+        t0 += hi - lo;
+      }
+      // softmax per query head, over contiguous scores
+      for (int64_t qi = 0; qi < nq; ++qi) {
+        float* s = sc + qi * len;
+        if (cap > 0.f)
+          for (int64_t i = 0; i < len; ++i) s[i] = cap * std::tanh(s[i] / cap);
+        float mx = -INFINITY;
+        for (int64_t i = 0; i < len; ++i) mx = s[i] > mx ? s[i] : mx;
+        float sum = 0.f;
+        for (int64_t i = 0; i < len; ++i) {
+          s[i] = std::exp(s[i] - mx);
+          sum += s[i];
         }
+        inv[qi] = sum > 0.f ? 1.f / sum : 0.f;
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = sum[g] > 0.f ? 1.f / sum[g] : 0.f;
-        for (int64_t d = 0; d < D; ++d) op[(b * H + h * G + g) * D + d] = static_cast<T>(acc[g * D + d] * inv);
+      // pass 2: out[query head] = sum over tokens of p * V, a block at a time
+      std::fill(acc.begin(), acc.begin() + nq * D, 0.f);
+      for (int64_t bi = first, t0 = 0; bi <= last; ++bi) {
+        const int64_t lo = bi == first ? start - bi * bs : 0;
+        const int64_t hi = bi == last ? n - bi * bs : bs;
+        if (bi < last) prefetch_block(vp + table[bi + 1] * blk_stride, blk_bytes);
+        const float* rows = block_rows<T>(vp + table[bi] * blk_stride + lo * tok_stride, buf.data(),
+                                          (hi - lo) * tok_stride);
+        for (int64_t qi = 0; qi < nq; ++qi) {
+          const float* p = sc + qi * len + t0;
+          const float* vh = rows + (h0 + qi / G) * D;
+          float a[DT > 0 ? DT : 1];
+          float* __restrict ap = DT > 0 ? a : &acc[qi * D];
+          if (DT > 0)
+            for (int64_t d = 0; d < D; ++d) ap[d] = acc[qi * D + d];
+          for (int64_t j = 0; j < hi - lo; ++j) {
+            const float pj = p[j];
+            const float* __restrict v = vh + j * tok_stride;
+            for (int64_t d = 0; d < D; ++d) ap[d] += pj * v[d];
+          }
+          if (DT > 0)
+            for (int64_t d = 0; d < D; ++d) acc[qi * D + d] = ap[d];
+        }
+        t0 += hi - lo;
       }
+      for (int64_t qi = 0; qi < nq; ++qi)
+        for (int64_t d = 0; d < D; ++d) dst[qi * D + d] = static_cast<T>(acc[qi * D + d] * inv[qi]);
     }
   });
+}
+
+template <typename T>
+static void decode_dispatch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt,
+                            const at::Tensor& ctx, at::Tensor& out, double scale, int64_t window, double softcap) {
+  switch (q.size(2)) {
+    case 64: decode_impl<T, 64>(q, kc, vc, bt, ctx, out, scale, window, softcap); break;
+    case 128: decode_impl<T, 128>(q, kc, vc, bt, ctx, out, scale, window, softcap); break;
+    default: decode_impl<T, 0>(q, kc, vc, bt, ctx, out, scale, window, softcap);
+  }
 }
 
 at::Tensor paged_decode(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Tensor bt, at::Tensor ctx,
                         double scale, int64_t window, double softcap) {
   q = q.contiguous();
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), "paged_decode: caches must be contiguous");
+  TORCH_CHECK(bt.scalar_type() == at::kLong && ctx.scalar_type() == at::kLong, "paged_decode: tables must be int64");
+  bt = bt.contiguous();
+  ctx = ctx.contiguous();
   auto out = at::empty_like(q);
   if (q.scalar_type() == at::kFloat) {
-    decode_impl<float>(q, kc, vc, bt, ctx, out, scale, window, softcap);
+    decode_dispatch<float>(q, kc, vc, bt, ctx, out, scale, window, softcap);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode_impl<c10::BFloat16>(q, kc, vc, bt, ctx, out, scale, window, softcap);
+    decode_dispatch<c10::BFloat16>(q, kc, vc, bt, ctx, out, scale, window, softcap);
   } else {
     TORCH_CHECK(false, "paged_decode: unsupported dtype");
   }
@@ -125,10 +208,11 @@ def load():
 
                 log.info("building the CPU paged-attention kernel (first use only, cached afterwards)")
                 _module = load_inline(
-                    name="batchery_cpu_paged_v1",
+                    name="batchery_cpu_paged_v5",
                     cpp_sources=_SOURCE,
                     functions=["paged_decode"],
-                    extra_cflags=["-O3", "-march=native", "-ffast-math"],
+                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
                     verbose=False,
                 )
             except Exception as e:  # no compiler, no ninja, ...: the torch reference still works
