@@ -86,6 +86,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpu {torch.backends.cpu.get_cpu_capability()}")
@@ -101,6 +102,8 @@ def main() -> None:
             kw["max_num_batched_tokens"] = args.max_num_batched_tokens
         if args.max_num_seqs:
             kw["max_num_seqs"] = args.max_num_seqs
+        if args.block_size:
+            kw["block_size"] = args.block_size
         useful = sum(max_tokens)
         total = useful + sum(len(p) for p in prompts)
         roof_before = raw_forward_tps(loaded)

@@ -144,4 +144,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     hf_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, **common, **extra)
     hf_model.to(dev).eval()
     hf_model.requires_grad_(False)
+    if dev.type == "cpu" and torch_dtype == torch.float32:
+        from engine import fast_linear
+
+        fast_linear.install(hf_model)
     return LoadedModel(hf_model, tokenizer, hf_model.config, torch_dtype, dev, model)

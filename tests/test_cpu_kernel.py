@@ -75,3 +75,40 @@ def test_engine_picks_the_cpu_kernel_on_cpu(tiny_model_dir):
     ref = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", attention_backend="torch"),
                     loaded=eng.loaded)
     assert ref.runner.backend == "torch"
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 131])
+@pytest.mark.parametrize("out_features,bias", [(16, False), (48, True), (200 * 16 + 32, True)])
+def test_fast_linear_matches_torch(rows, out_features, bias):
+    from engine import fast_linear
+
+    torch.manual_seed(rows)
+    lin = torch.nn.Linear(96, out_features, bias=bias)
+    model = torch.nn.Sequential(lin)
+    x = torch.randn(2, rows, 96)
+    with torch.inference_mode():
+        want = lin(x)
+        assert fast_linear.install(model) == 1
+        assert lin.weight.shape == (out_features, 96) and lin.weight.t().is_contiguous()
+        got = lin(x)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fast_linear_skips_what_it_cannot_run_and_unties_embeddings():
+    from engine import fast_linear
+
+    emb = torch.nn.Embedding(64, 32)
+    head = torch.nn.Linear(32, 64, bias=False)
+    head.weight = emb.weight  # tied, as in most small LMs
+    odd = torch.nn.Linear(32, 10)  # out_features not a multiple of 16: left to torch
+    half = torch.nn.Linear(32, 16).to(torch.bfloat16)  # not fp32: left to torch
+    model = torch.nn.ModuleList([emb, head, odd, half])
+    ids = torch.tensor([3, 7, 63])
+    with torch.inference_mode():
+        want = head(emb(ids))
+        assert fast_linear.install(model) == 1
+        assert emb.weight.is_contiguous() and head.weight is not emb.weight
+        torch.testing.assert_close(head(emb(ids)), want, rtol=1e-5, atol=1e-5)
+        assert not hasattr(odd, "_batchery_kernel") and not hasattr(half, "_batchery_kernel")
+        assert fast_linear.install(model) == 0  # idempotent

@@ -1,0 +1,311 @@
+"""The CPU kernels, in C++, built once on first use with torch's cpp_extension and cached.
+
+- ``paged_decode``: decode attention read straight from the paged KV pool
+  (used by ``engine.attention.cpu_paged``);
+- ``linear_t``: an fp32 linear over a pre-transposed weight (used by ``engine.fast_linear``).
+
+If the build fails (no compiler, no ninja) every caller falls back to torch; set
+``BATCHERY_CPU_KERNELS=0`` to skip the build and use torch everywhere."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+log = logging.getLogger("batchery.engine.kernels")
+
+NAME = "batchery_cpu_kernels_v1"  # bump when the source changes (the build cache is keyed by it)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+// ---- paged decode attention ----------------------------------------------------------------
+// Decode attention straight from the paged pool [num_blocks, block_size, Hkv, D].
+// A task is one sequence and a group of its KV heads; with enough sequences every task takes all
+// heads, so each block (all heads of block_size tokens, contiguous) is read front to back once for
+// K and once for V, and the next block is prefetched while this one is used. head_dim is a
+// compile-time constant for the common sizes, so the per-head accumulators live in registers.
+
+static inline void to_float(const float* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
+}
+
+static inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;  // bf16 -> f32 is exact
+}
+
+static inline void prefetch_block(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
+// Rows of one block as float: in place for float, converted into buf for bfloat16.
+template <typename T>
+static inline const float* block_rows(const T* src, float* buf, int64_t n);
+template <>
+inline const float* block_rows<float>(const float* src, float* buf, int64_t n) { (void)buf; (void)n; return src; }
+template <>
+inline const float* block_rows<c10::BFloat16>(const c10::BFloat16* src, float* buf, int64_t n) {
+  to_float(src, buf, n);
+  return buf;
+}
+
+template <typename T, int DT>
+static void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                        const at::Tensor& bt, const at::Tensor& ctx, at::Tensor& out,
+                        double scale, int64_t window, double softcap) {
+  const int64_t B = q.size(0), H = q.size(1);
+  const int64_t D = DT > 0 ? DT : q.size(2);
+  const int64_t bs = kc.size(1), Hkv = kc.size(2);
+  const int64_t G = H / Hkv, maxb = bt.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  const int64_t* btp = bt.data_ptr<int64_t>();
+  const int64_t* cp = ctx.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t tok_stride = Hkv * D;  // one token of one block: all its KV heads
+  const int64_t blk_stride = bs * tok_stride;
+  const int64_t blk_bytes = blk_stride * static_cast<int64_t>(sizeof(T));
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  const int64_t nthreads = at::get_num_threads();
+  const int64_t groups = B >= 4 * nthreads ? 1 : Hkv;
+  const int64_t hper = Hkv / groups;
+  at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(H * D), acc(H * D), buf(blk_stride), scores, inv(H);
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t b = idx / groups, h0 = (idx % groups) * hper;
+      const int64_t hq0 = h0 * G, nq = hper * G;  // this task's query heads
+      const int64_t n = cp[b];
+      const int64_t start = (window > 0 && n - window > 0) ? n - window : 0;
+      const int64_t len = n - start;
+      T* dst = op + (b * H + hq0) * D;
+      if (len <= 0) {
+        for (int64_t i = 0; i < nq * D; ++i) dst[i] = static_cast<T>(0.f);
+        continue;
+      }
+      const T* src = qp + (b * H + hq0) * D;
+      for (int64_t i = 0; i < nq * D; ++i) qf[i] = static_cast<float>(src[i]) * fscale;
+      scores.resize(nq * len);
+      float* sc = scores.data();
+      const int64_t* table = btp + b * maxb;
+      const int64_t first = start / bs, last = (n - 1) / bs;
+      // pass 1: scores[query head][token]
+      for (int64_t bi = first, t0 = 0; bi <= last; ++bi) {
+        const int64_t lo = bi == first ? start - bi * bs : 0;
+        const int64_t hi = bi == last ? n - bi * bs : bs;
+        if (bi < last) prefetch_block(kp + table[bi + 1] * blk_stride, blk_bytes);
+        const float* rows = block_rows<T>(kp + table[bi] * blk_stride + lo * tok_stride, buf.data(),
+                                          (hi - lo) * tok_stride);
+        for (int64_t j = 0; j < hi - lo; ++j) {
+          const float* row = rows + j * tok_stride;
+          for (int64_t qi = 0; qi < nq; ++qi) {
+            const float* __restrict k = row + (h0 + qi / G) * D;
+            const float* __restrict qq = &qf[qi * D];
+            float s = 0.f;
+            for (int64_t d = 0; d < D; ++d) s += qq[d] * k[d];
+            sc[qi * len + t0 + j] = s;
+          }
+        }
+        t0 += hi - lo;
+      }
+      // softmax per query head, over contiguous scores
+      for (int64_t qi = 0; qi < nq; ++qi) {
+        float* s = sc + qi * len;
+        if (cap > 0.f)
+          for (int64_t i = 0; i < len; ++i) s[i] = cap * std::tanh(s[i] / cap);
+        float mx = -INFINITY;
+        for (int64_t i = 0; i < len; ++i) mx = s[i] > mx ? s[i] : mx;
+        float sum = 0.f;
+        for (int64_t i = 0; i < len; ++i) {
+          s[i] = std::exp(s[i] - mx);
+          sum += s[i];
+        }
+        inv[qi] = sum > 0.f ? 1.f / sum : 0.f;
+      }
+      // pass 2: out[query head] = sum over tokens of p * V, a block at a time
+      std::fill(acc.begin(), acc.begin() + nq * D, 0.f);
+      for (int64_t bi = first, t0 = 0; bi <= last; ++bi) {
+        const int64_t lo = bi == first ? start - bi * bs : 0;
+        const int64_t hi = bi == last ? n - bi * bs : bs;
+        if (bi < last) prefetch_block(vp + table[bi + 1] * blk_stride, blk_bytes);
+        const float* rows = block_rows<T>(vp + table[bi] * blk_stride + lo * tok_stride, buf.data(),
+                                          (hi - lo) * tok_stride);
+        for (int64_t qi = 0; qi < nq; ++qi) {
+          const float* p = sc + qi * len + t0;
+          const float* vh = rows + (h0 + qi / G) * D;
+          float a[DT > 0 ? DT : 1];
+          float* __restrict ap = DT > 0 ? a : &acc[qi * D];
+          if (DT > 0)
+            for (int64_t d = 0; d < D; ++d) ap[d] = acc[qi * D + d];
+          for (int64_t j = 0; j < hi - lo; ++j) {
+            const float pj = p[j];
+            const float* __restrict v = vh + j * tok_stride;
+            for (int64_t d = 0; d < D; ++d) ap[d] += pj * v[d];
+          }
+          if (DT > 0)
+            for (int64_t d = 0; d < D; ++d) acc[qi * D + d] = ap[d];
+        }
+        t0 += hi - lo;
+      }
+      for (int64_t qi = 0; qi < nq; ++qi)
+        for (int64_t d = 0; d < D; ++d) dst[qi * D + d] = static_cast<T>(acc[qi * D + d] * inv[qi]);
+    }
+  });
+}
+
+template <typename T>
+static void decode_dispatch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt,
+                            const at::Tensor& ctx, at::Tensor& out, double scale, int64_t window, double softcap) {
+  switch (q.size(2)) {
+    case 64: decode_impl<T, 64>(q, kc, vc, bt, ctx, out, scale, window, softcap); break;
+    case 128: decode_impl<T, 128>(q, kc, vc, bt, ctx, out, scale, window, softcap); break;
+    default: decode_impl<T, 0>(q, kc, vc, bt, ctx, out, scale, window, softcap);
+  }
+}
+
+at::Tensor paged_decode(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Tensor bt, at::Tensor ctx,
+                        double scale, int64_t window, double softcap) {
+  q = q.contiguous();
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), "paged_decode: caches must be contiguous");
+  TORCH_CHECK(bt.scalar_type() == at::kLong && ctx.scalar_type() == at::kLong, "paged_decode: tables must be int64");
+  bt = bt.contiguous();
+  ctx = ctx.contiguous();
+  auto out = at::empty_like(q);
+  if (q.scalar_type() == at::kFloat) {
+    decode_dispatch<float>(q, kc, vc, bt, ctx, out, scale, window, softcap);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    decode_dispatch<c10::BFloat16>(q, kc, vc, bt, ctx, out, scale, window, softcap);
+  } else {
+    TORCH_CHECK(false, "paged_decode: unsupported dtype");
+  }
+  return out;
+}
+
+// ---- fp32 linear with a pre-transposed weight -------------------------------------------------
+// A register tile of up to 6 input rows x 64 output columns accumulates over K: each step loads
+// 64 weights from one row of the [K, N] weight and broadcasts one input value per row. On the
+// machines we measured (AMD EPYC, where MKL takes a generic path) this runs at 1.3-2x MKL's sgemm
+// for every batch size from 1 to 256 rows; see engine/fast_linear.py.
+
+typedef float vf16 __attribute__((vector_size(64)));
+typedef float vf16u __attribute__((vector_size(64), aligned(4), may_alias));
+
+static inline vf16 load16(const float* p) { return *reinterpret_cast<const vf16u*>(p); }
+static inline void store16(float* p, vf16 v) { *reinterpret_cast<vf16u*>(p) = v; }
+
+
+// out[i, n0 : n0 + 16 * NV] = x[i, :] @ wt[:, n0 : ...] for i < MB. wt is [K, N] (the transposed weight).
+template <int MB, int NV>
+static inline void tile(const float* __restrict x, const float* __restrict wt, float* __restrict out,
+                        int64_t K, int64_t N, int64_t n0) {
+  vf16 acc[MB][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) acc[i][v] = vf16{};
+  const float* w = wt + n0;
+  for (int64_t k = 0; k < K; ++k, w += N) {
+    vf16 wv[NV];
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) wv[v] = load16(w + 16 * v);
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      const float xs = x[i * K + k];
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) acc[i][v] += xs * wv[v];
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) store16(out + i * N + n0 + 16 * v, acc[i][v]);
+}
+
+template <int NV>
+static inline void panel(const float* x, const float* wt, float* out, int64_t m0, int64_t mb, int64_t K, int64_t N,
+                         int64_t n0) {
+  const float* xp = x + m0 * K;
+  float* op = out + m0 * N;
+  switch (mb) {
+    case 6: tile<6, NV>(xp, wt, op, K, N, n0); break;
+    case 5: tile<5, NV>(xp, wt, op, K, N, n0); break;
+    case 4: tile<4, NV>(xp, wt, op, K, N, n0); break;
+    case 3: tile<3, NV>(xp, wt, op, K, N, n0); break;
+    case 2: tile<2, NV>(xp, wt, op, K, N, n0); break;
+    default: tile<1, NV>(xp, wt, op, K, N, n0);
+  }
+}
+
+// y = x @ wt (+ bias): x [..., K] float, wt [K, N] float contiguous (the transposed weight), N % 16 == 0
+at::Tensor linear_t(at::Tensor x, at::Tensor wt, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(wt.dim() == 2 && wt.is_contiguous() && wt.scalar_type() == at::kFloat,
+              "linear_t: the weight must be a contiguous float [K, N] tensor");
+  const int64_t K = wt.size(0), N = wt.size(1);
+  TORCH_CHECK(N % 16 == 0, "linear_t: out_features must be a multiple of 16");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) == K, "linear_t: the input must be float [..., K]");
+  auto xs = x.sizes().vec();
+  auto xf = x.reshape({-1, K}).contiguous();
+  const int64_t M = xf.size(0);
+  auto out = at::empty({M, N}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  const float* wp = wt.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t npanels = (N + 63) / 64, mtiles = (M + 5) / 6;
+  at::parallel_for(0, npanels * mtiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t p = t / mtiles, mt = t % mtiles;
+      const int64_t n0 = p * 64, m0 = mt * 6, mb = M - m0 < 6 ? M - m0 : 6;
+      switch ((N - n0) >= 64 ? 4 : (N - n0) / 16) {
+        case 4: panel<4>(xp, wp, op, m0, mb, K, N, n0); break;
+        case 3: panel<3>(xp, wp, op, m0, mb, K, N, n0); break;
+        case 2: panel<2>(xp, wp, op, m0, mb, K, N, n0); break;
+        default: panel<1>(xp, wp, op, m0, mb, K, N, n0);
+      }
+    }
+  });
+  if (bias.has_value() && bias->defined()) out.add_(*bias);
+  xs.back() = N;
+  return out.view(xs);
+}
+"""
+
+_lock = threading.Lock()
+_module = None
+_failed = False
+
+
+def load():
+    """The compiled module, or None when it cannot be built here (callers then use torch)."""
+    global _module, _failed
+    if _module is not None or _failed:
+        return _module
+    with _lock:
+        if _module is None and not _failed:
+            if os.environ.get("BATCHERY_CPU_KERNELS", "1") == "0":
+                _failed = True
+                return None
+            try:
+                from torch.utils.cpp_extension import load_inline
+
+                log.info("building the CPU kernels (first use only, cached afterwards)")
+                _module = load_inline(
+                    name=NAME,
+                    cpp_sources=_SOURCE,
+                    functions=["paged_decode", "linear_t"],
+                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],  # without it at::parallel_for runs on one thread
+                    verbose=False,
+                )
+            except Exception as e:  # no compiler, no ninja, ...: the torch paths still work
+                _failed = True
+                log.warning("CPU kernels unavailable (%s); using torch",
+                            str(e).splitlines()[0] if str(e) else type(e).__name__)
+    return _module
