@@ -17,7 +17,7 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None  # None -> the model's max_position_embeddings (capped at 8192)
-    block_size: int = 16
+    block_size: int = 8  # small blocks let more of a shared prefix (the chat template) hit the prefix cache
     num_kv_blocks: int | None = None  # explicit pool size; overrides kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for the KV pool; None -> a default budget
     enable_prefix_caching: bool = True

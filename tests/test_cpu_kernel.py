@@ -88,7 +88,7 @@ def test_fast_linear_matches_torch(rows, out_features, bias):
     x = torch.randn(2, rows, 96)
     with torch.inference_mode():
         want = lin(x)
-        assert fast_linear.install(model) == 1
+        assert fast_linear.install(model, max_rows=-1) == 1
         assert lin.weight.shape == (out_features, 96) and lin.weight.t().is_contiguous()
         got = lin(x)
     assert got.shape == want.shape
@@ -107,8 +107,21 @@ def test_fast_linear_skips_what_it_cannot_run_and_unties_embeddings():
     ids = torch.tensor([3, 7, 63])
     with torch.inference_mode():
         want = head(emb(ids))
-        assert fast_linear.install(model) == 1
+        assert fast_linear.install(model, max_rows=-1) == 1
         assert emb.weight.is_contiguous() and head.weight is not emb.weight
         torch.testing.assert_close(head(emb(ids)), want, rtol=1e-5, atol=1e-5)
         assert not hasattr(odd, "_batchery_kernel") and not hasattr(half, "_batchery_kernel")
-        assert fast_linear.install(model) == 0  # idempotent
+        assert fast_linear.install(model, max_rows=-1) == 0  # idempotent
+
+
+def test_fast_linear_row_limit_routes_larger_inputs_to_torch():
+    from engine import fast_linear
+
+    lin = torch.nn.Linear(32, 32)
+    x_small, x_big = torch.randn(4, 32), torch.randn(9, 32)
+    with torch.inference_mode():
+        want_small, want_big = lin(x_small), lin(x_big)
+        assert fast_linear.install(torch.nn.Sequential(lin), max_rows=8) == 1
+        torch.testing.assert_close(lin(x_small), want_small, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lin(x_big), want_big, rtol=1e-5, atol=1e-5)
+    assert fast_linear.calibrate(cpu_paged.load(), 64, 128) in (0, -1, *fast_linear.CALIBRATION_ROWS)

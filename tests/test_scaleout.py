@@ -15,7 +15,7 @@ import uuid
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import WorkerFactory, redis_client
+from conftest import WorkerFactory, redis_client, wait_for
 from tasks.chat import CHAT_TASK
 from tasks.client import Client
 from worker.settings import Settings, queue_for_model
@@ -83,6 +83,8 @@ def test_two_workers_on_one_queue_both_take_work(cluster):
                          max_tokens=24, ignore_eos=True, temperature=0)
         results = [h.get(timeout=120) for h in hs]
     assert all(r.usage.completion_tokens == 24 for r in results)
+    # a worker counts a success just after storing its result, so the client can see it first
+    wait_for(lambda: served(a1) + served(a2) - sum(before) >= 12, timeout=10, what="both success counters")
     n1, n2 = served(a1) - before[0], served(a2) - before[1]
     assert n1 + n2 == 12
     assert n1 >= 1 and n2 >= 1, f"one worker did all the work: {n1} and {n2}"
@@ -99,5 +101,6 @@ def test_the_client_routes_by_model_name(cluster):
         results = [h.get(timeout=60) for h in c.chat_many([[{"role": "user", "content": "hello"}]] * 4,
                                                            max_tokens=3)]
     assert {r.model for r in results} == {str(model_b)}  # the response names the model that served it
+    wait_for(lambda: served(b) - before[2] >= 4, timeout=10, what="worker b's success counter")
     assert served(b) - before[2] == 4
     assert (served(a1), served(a2)) == before[:2]

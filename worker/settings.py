@@ -56,7 +56,7 @@ class EngineOptions(BaseModel):
                                         description="token budget of one step: decodes first, then prompt chunks")
     max_model_len: int | None = Field(default=None, ge=2,
                                       description="context length; unset -> the model's, capped at 8192")
-    block_size: int = Field(default=16, ge=1, description="tokens per KV cache block")
+    block_size: int = Field(default=8, ge=1, description="tokens per KV cache block")
     num_kv_blocks: int | None = Field(default=None, ge=1,
                                       description="KV pool size in blocks; overrides kv_cache_memory")
     kv_cache_memory: int | None = Field(
