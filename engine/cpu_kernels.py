@@ -15,7 +15,7 @@ import threading
 
 log = logging.getLogger("batchery.engine.kernels")
 
-NAME = "batchery_cpu_kernels_v1"  # bump when the source changes (the build cache is keyed by it)
+NAME = "batchery_cpu_kernels_v3"  # bump when the source changes (the build cache is keyed by it)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -74,12 +74,13 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
   const int64_t tok_stride = Hkv * D;  // one token of one block: all its KV heads
   const int64_t blk_stride = bs * tok_stride;
   const int64_t blk_bytes = blk_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = tok_stride * static_cast<int64_t>(sizeof(T));
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const int64_t nthreads = at::get_num_threads();
   const int64_t groups = B >= 4 * nthreads ? 1 : Hkv;
   const int64_t hper = Hkv / groups;
   at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(H * D), acc(H * D), buf(blk_stride), scores, inv(H);
+    std::vector<float> qf(H * D), acc(H * D), buf(blk_stride), scores(H * bs), inv(H), mx(H);
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / groups, h0 = (idx % groups) * hper;
       const int64_t hq0 = h0 * G, nq = hper * G;  // this task's query heads
@@ -93,70 +94,77 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
       }
       const T* src = qp + (b * H + hq0) * D;
       for (int64_t i = 0; i < nq * D; ++i) qf[i] = static_cast<float>(src[i]) * fscale;
-      scores.resize(nq * len);
+      // One pass over the blocks with an online softmax: scores for a block's tokens, then that
+      // block's V rows, K and V of the next block prefetched a row at a time meanwhile.
       float* sc = scores.data();
       const int64_t* table = btp + b * maxb;
       const int64_t first = start / bs, last = (n - 1) / bs;
-      // pass 1: scores[query head][token]
-      for (int64_t bi = first, t0 = 0; bi <= last; ++bi) {
+      for (int64_t qi = 0; qi < nq; ++qi) {
+        mx[qi] = -INFINITY;
+        inv[qi] = 0.f;  // running sum of exp(score - max)
+      }
+      std::fill(acc.begin(), acc.begin() + nq * D, 0.f);
+      for (int64_t bi = first; bi <= last; ++bi) {
         const int64_t lo = bi == first ? start - bi * bs : 0;
         const int64_t hi = bi == last ? n - bi * bs : bs;
-        if (bi < last) prefetch_block(kp + table[bi + 1] * blk_stride, blk_bytes);
-        const float* rows = block_rows<T>(kp + table[bi] * blk_stride + lo * tok_stride, buf.data(),
-                                          (hi - lo) * tok_stride);
-        for (int64_t j = 0; j < hi - lo; ++j) {
+        const int64_t nj = hi - lo;
+        const T* knext = bi < last ? kp + table[bi + 1] * blk_stride : nullptr;
+        const T* vnext = bi < last ? vp + table[bi + 1] * blk_stride : nullptr;
+        const float* rows = block_rows<T>(kp + table[bi] * blk_stride + lo * tok_stride, buf.data(), nj * tok_stride);
+        for (int64_t j = 0; j < nj; ++j) {
+          if (knext) {
+            prefetch_block(knext + j * tok_stride, row_bytes);
+            prefetch_block(vnext + j * tok_stride, row_bytes);
+          }
           const float* row = rows + j * tok_stride;
           for (int64_t qi = 0; qi < nq; ++qi) {
             const float* __restrict k = row + (h0 + qi / G) * D;
             const float* __restrict qq = &qf[qi * D];
             float s = 0.f;
             for (int64_t d = 0; d < D; ++d) s += qq[d] * k[d];
-            sc[qi * len + t0 + j] = s;
+            sc[qi * bs + j] = s;
           }
         }
-        t0 += hi - lo;
-      }
-      // softmax per query head, over contiguous scores
-      for (int64_t qi = 0; qi < nq; ++qi) {
-        float* s = sc + qi * len;
-        if (cap > 0.f)
-          for (int64_t i = 0; i < len; ++i) s[i] = cap * std::tanh(s[i] / cap);
-        float mx = -INFINITY;
-        for (int64_t i = 0; i < len; ++i) mx = s[i] > mx ? s[i] : mx;
-        float sum = 0.f;
-        for (int64_t i = 0; i < len; ++i) {
-          s[i] = std::exp(s[i] - mx);
-          sum += s[i];
-        }
-        inv[qi] = sum > 0.f ? 1.f / sum : 0.f;
-      }
-      // pass 2: out[query head] = sum over tokens of p * V, a block at a time
-      std::fill(acc.begin(), acc.begin() + nq * D, 0.f);
-      for (int64_t bi = first, t0 = 0; bi <= last; ++bi) {
-        const int64_t lo = bi == first ? start - bi * bs : 0;
-        const int64_t hi = bi == last ? n - bi * bs : bs;
-        if (bi < last) prefetch_block(vp + table[bi + 1] * blk_stride, blk_bytes);
-        const float* rows = block_rows<T>(vp + table[bi] * blk_stride + lo * tok_stride, buf.data(),
-                                          (hi - lo) * tok_stride);
         for (int64_t qi = 0; qi < nq; ++qi) {
-          const float* p = sc + qi * len + t0;
+          float* s = sc + qi * bs;
+          if (cap > 0.f)
+            for (int64_t j = 0; j < nj; ++j) s[j] = cap * std::tanh(s[j] / cap);
+          float bm = mx[qi];
+          for (int64_t j = 0; j < nj; ++j) bm = s[j] > bm ? s[j] : bm;
+          float sum = 0.f;
+          for (int64_t j = 0; j < nj; ++j) {
+            s[j] = std::exp(s[j] - bm);
+            sum += s[j];
+          }
+          if (bm > mx[qi]) {  // a new maximum: rescale what was accumulated so far
+            const float r = std::exp(mx[qi] - bm);
+            inv[qi] *= r;
+            for (int64_t d = 0; d < D; ++d) acc[qi * D + d] *= r;
+            mx[qi] = bm;
+          }
+          inv[qi] += sum;
+        }
+        rows = block_rows<T>(vp + table[bi] * blk_stride + lo * tok_stride, buf.data(), nj * tok_stride);
+        for (int64_t qi = 0; qi < nq; ++qi) {
+          const float* pr = sc + qi * bs;
           const float* vh = rows + (h0 + qi / G) * D;
           float a[DT > 0 ? DT : 1];
           float* __restrict ap = DT > 0 ? a : &acc[qi * D];
           if (DT > 0)
             for (int64_t d = 0; d < D; ++d) ap[d] = acc[qi * D + d];
-          for (int64_t j = 0; j < hi - lo; ++j) {
-            const float pj = p[j];
+          for (int64_t j = 0; j < nj; ++j) {
+            const float pj = pr[j];
             const float* __restrict v = vh + j * tok_stride;
             for (int64_t d = 0; d < D; ++d) ap[d] += pj * v[d];
           }
           if (DT > 0)
             for (int64_t d = 0; d < D; ++d) acc[qi * D + d] = ap[d];
         }
-        t0 += hi - lo;
       }
-      for (int64_t qi = 0; qi < nq; ++qi)
-        for (int64_t d = 0; d < D; ++d) dst[qi * D + d] = static_cast<T>(acc[qi * D + d] * inv[qi]);
+      for (int64_t qi = 0; qi < nq; ++qi) {
+        const float r = inv[qi] > 0.f ? 1.f / inv[qi] : 0.f;
+        for (int64_t d = 0; d < D; ++d) dst[qi * D + d] = static_cast<T>(acc[qi * D + d] * r);
+      }
     }
   });
 }
