@@ -2,7 +2,8 @@
 
 - ``paged_decode``: decode attention read straight from the paged KV pool
   (used by ``engine.attention.cpu_paged``);
-- ``linear_t``: an fp32 linear over a pre-transposed weight (used by ``engine.fast_linear``).
+- ``linear_t``: an fp32 linear over a pre-transposed weight, and ``linear_bf16`` (with
+  ``pack_bf16``): a bf16 linear for CPUs with AVX512-BF16 (both used by ``engine.fast_linear``).
 
 If the build fails (no compiler, no ninja) every caller falls back to torch; set
 ``BATCHERY_CPU_KERNELS=0`` to skip the build and use torch everywhere."""
@@ -15,7 +16,7 @@ import threading
 
 log = logging.getLogger("batchery.engine.kernels")
 
-NAME = "batchery_cpu_kernels_v3"  # bump when the source changes (the build cache is keyed by it)
+NAME = "batchery_cpu_kernels_v4"  # bump when the source changes (the build cache is keyed by it)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -283,6 +284,104 @@ at::Tensor linear_t(at::Tensor x, at::Tensor wt, c10::optional<at::Tensor> bias)
   xs.back() = N;
   return out.view(xs);
 }
+
+// ---- bf16 linear (AVX512-BF16) -----------------------------------------------------------------
+// On CPUs with AVX512-BF16 and a compiler that targets it (-march=native); elsewhere
+// has_bf16_linear() is false and torch (oneDNN) keeps every bf16 linear.
+#include <immintrin.h>
+
+#ifdef __AVX512BF16__
+// y[i, n] = sum_k x[i, k] w[n, k]; wp is the weight packed as uint32 [K/2, N]: (w[n][2k], w[n][2k+1]).
+// Same 6 x 64 register tile as the fp32 kernel; vdpbf16ps multiplies a pair of k per lane.
+template <int MB, int NV>
+static inline void tile_bf16(const uint32_t* __restrict x, int64_t K2, const uint32_t* __restrict wp, float* __restrict out,
+                             int64_t N, int64_t n0) {
+  __m512 acc[MB][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  const uint32_t* w = wp + n0;
+  for (int64_t k = 0; k < K2; ++k, w += N) {
+    __m512i wv[NV];
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_si512(w + 16 * v);
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      const __m512i xb = _mm512_set1_epi32(static_cast<int>(x[i * K2 + k]));
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], (__m512bh)xb, (__m512bh)wv[v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + i * N + n0 + 16 * v, acc[i][v]);
+}
+
+template <int NV>
+static inline void panel_bf16(const uint32_t* x, const uint32_t* wp, float* out, int64_t m0, int64_t mb, int64_t K2,
+                              int64_t N, int64_t n0) {
+  const uint32_t* xp = x + m0 * K2;
+  float* op = out + m0 * N;
+  switch (mb) {
+    case 6: tile_bf16<6, NV>(xp, K2, wp, op, N, n0); break;
+    case 5: tile_bf16<5, NV>(xp, K2, wp, op, N, n0); break;
+    case 4: tile_bf16<4, NV>(xp, K2, wp, op, N, n0); break;
+    case 3: tile_bf16<3, NV>(xp, K2, wp, op, N, n0); break;
+    case 2: tile_bf16<2, NV>(xp, K2, wp, op, N, n0); break;
+    default: tile_bf16<1, NV>(xp, K2, wp, op, N, n0);
+  }
+}
+#endif
+
+bool has_bf16_linear() {
+#ifdef __AVX512BF16__
+  return true;
+#else
+  return false;
+#endif
+}
+
+// w [N, K] bf16 -> int32 [K/2, N] of bf16 pairs
+at::Tensor pack_bf16(at::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0, "pack_bf16: bf16 [N, K], K even");
+  const int64_t N = w.size(0), K = w.size(1);
+  return w.contiguous().view({N, K / 2, 2}).view(at::kInt).view({N, K / 2}).t().contiguous();
+}
+
+at::Tensor linear_bf16(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bias) {
+#ifdef __AVX512BF16__
+  const int64_t K2 = wp.size(0), N = wp.size(1), K = 2 * K2;
+  TORCH_CHECK(N % 16 == 0 && x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "linear_bf16: shapes");
+  auto xs = x.sizes().vec();
+  auto xf = x.reshape({-1, K}).contiguous();
+  const int64_t M = xf.size(0);
+  auto out = at::empty({M, N}, xf.options().dtype(at::kFloat));
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xf.data_ptr());
+  const uint32_t* wpp = reinterpret_cast<const uint32_t*>(wp.data_ptr());
+  float* op = out.data_ptr<float>();
+  const int64_t npanels = (N + 63) / 64, mtiles = (M + 5) / 6;
+  at::parallel_for(0, npanels * mtiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t p = t / mtiles, mt = t % mtiles;
+      const int64_t n0 = p * 64, m0 = mt * 6, mb = M - m0 < 6 ? M - m0 : 6;
+      switch ((N - n0) >= 64 ? 4 : (N - n0) / 16) {
+        case 4: panel_bf16<4>(xp, wpp, op, m0, mb, K2, N, n0); break;
+        case 3: panel_bf16<3>(xp, wpp, op, m0, mb, K2, N, n0); break;
+        case 2: panel_bf16<2>(xp, wpp, op, m0, mb, K2, N, n0); break;
+        default: panel_bf16<1>(xp, wpp, op, m0, mb, K2, N, n0);
+      }
+    }
+  });
+  if (bias.has_value() && bias->defined()) out.add_(*bias);
+  xs.back() = N;
+  return out.to(at::kBFloat16).view(xs);
+#else
+  TORCH_CHECK(false, "linear_bf16: built without AVX512-BF16");
+  return x;
+#endif
+}
 """
 
 _lock = threading.Lock()
@@ -307,7 +406,7 @@ def load():
                 _module = load_inline(
                     name=NAME,
                     cpp_sources=_SOURCE,
-                    functions=["paged_decode", "linear_t"],
+                    functions=["paged_decode", "linear_t", "pack_bf16", "linear_bf16", "has_bf16_linear"],
                     extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                     extra_ldflags=["-fopenmp"],  # without it at::parallel_for runs on one thread
                     verbose=False,

@@ -1,14 +1,19 @@
-"""fp32 linear layers on the CPU through our C++ kernel (``engine.cpu_kernels.linear_t``).
+"""Linear layers on the CPU through our C++ kernels (``engine.cpu_kernels``).
 
-torch's CPU matmul goes to MKL, whose sgemm takes a generic, slow path on some CPUs (we measured
-1.3-2x slower than our kernel on AMD EPYC at every row count from 1 to 256, and worst at the small
-row counts of decode steps). ``install`` stores each eligible ``nn.Linear`` weight transposed
-([in, out] contiguous; ``weight`` stays a [out, in] view of it, so anything calling ``F.linear`` on
-it still works) and routes the module's forward through the kernel. A weight tied to an embedding
-gets its own transposed copy so embedding lookups keep reading rows.
+torch's CPU matmuls go to MKL (fp32) and oneDNN (bf16). On the machines we measured (AMD EPYC) MKL's
+sgemm takes a generic, slow path, and both libraries leave memory bandwidth unused at the small row
+counts of decode steps; our kernels (a 6 x 64 register tile; ``vdpbf16ps`` for bf16) ran 1.1-2x
+faster there (``benchmarks/cpu_kernels.py``). Where a library is better (MKL on Intel, oneDNN's LM
+head at many rows) it should keep the work, so ``install`` times both on each distinct layer shape
+at a few row counts and routes a layer's inputs to the kernel only up to the row count where the
+kernel stopped winning.
 
-Where MKL is good (Intel CPUs) it may beat the kernel, so ``install`` first times both on the
-model's widest layer at a few row counts and routes only the row counts where the kernel won.
+- fp32: the weight is stored transposed ([in, out] contiguous); ``weight`` stays a [out, in] view
+  of it, so ``F.linear`` still works on it at no extra memory. A weight tied to an embedding gets
+  its own copy, so embedding lookups keep reading rows.
+- bf16 (CPUs with AVX512-BF16): the kernel reads a packed copy of the weight (pairs along ``in``);
+  ``weight`` is kept for the row counts torch handles, so routed bf16 layers hold their weights twice.
+
 It is installed on the loaded model itself, so everything that runs the model (the engine, and the
 HF baselines in our benchmarks) uses the same kernels. Set ``BATCHERY_CPU_KERNELS=0`` to keep torch."""
 
@@ -25,14 +30,21 @@ from engine import cpu_kernels
 
 log = logging.getLogger("batchery.engine.kernels")
 
-
 CALIBRATION_ROWS = (8, 64, 512)
+ANY = 1 << 62
 
 
-def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _forward_fp32(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if (x.dtype == torch.float32 and not x.requires_grad and x.device.type == "cpu"
             and x.numel() <= self._batchery_max_rows * x.shape[-1]):
         return self._batchery_kernel.linear_t(x, self.weight.t(), self.bias)
+    return F.linear(x, self.weight, self.bias)
+
+
+def _forward_bf16(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if (x.dtype == torch.bfloat16 and not x.requires_grad and x.device.type == "cpu"
+            and x.numel() <= self._batchery_max_rows * x.shape[-1]):
+        return self._batchery_kernel.linear_bf16(x, self._batchery_packed, self.bias)
     return F.linear(x, self.weight, self.bias)
 
 
@@ -46,61 +58,81 @@ def _best_time(fn, reps: int = 3) -> float:
     return best
 
 
-def calibrate(kernel, in_features: int, out_features: int) -> int:
-    """The largest row count (0: none, -1: any) up to which the kernel beats ``F.linear`` here,
-    timed on random data of one layer's shape."""
+def _kernel_fn(kernel, w: torch.Tensor):
+    """(callable x -> y through the kernel, the weight tensor that callable reads)"""
+    if w.dtype == torch.float32:
+        wt = w.t().contiguous()
+        return (lambda x: kernel.linear_t(x, wt, None)), wt
+    packed = kernel.pack_bf16(w)
+    return (lambda x: kernel.linear_bf16(x, packed, None)), packed
+
+
+def calibrate(kernel, in_features: int, out_features: int, dtype: torch.dtype = torch.float32) -> int:
+    """The largest row count (0: none; ``ANY``: every one tried) up to which the kernel beats
+    ``F.linear`` here, timed on random data of one layer's shape."""
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(out_features, in_features, generator=g)
-    wt = w.t().contiguous()
+    w = torch.randn(out_features, in_features, generator=g).to(dtype)
+    fn, _ = _kernel_fn(kernel, w)
     limit = 0
     with torch.inference_mode():
         for rows in CALIBRATION_ROWS:
-            x = torch.randn(rows, in_features, generator=g)
-            if _best_time(lambda: kernel.linear_t(x, wt, None)) >= _best_time(lambda: F.linear(x, w)):
+            x = torch.randn(rows, in_features, generator=g).to(dtype)
+            if _best_time(lambda: fn(x)) >= _best_time(lambda: F.linear(x, w)):
                 return limit
             limit = rows
-    return -1
+    return ANY
+
+
+def _eligible(lin: torch.nn.Module, kernel) -> bool:
+    if not isinstance(lin, torch.nn.Linear) or getattr(lin, "_batchery_kernel", None) is not None:
+        return False
+    w = lin.weight
+    if w.device.type != "cpu" or lin.out_features % 16:
+        return False
+    if w.dtype == torch.float32:
+        return True
+    return w.dtype == torch.bfloat16 and lin.in_features % 2 == 0 and bool(kernel.has_bf16_linear())
 
 
 def install(model: torch.nn.Module, max_rows: int | None = None) -> int:
-    """Route the model's fp32 CPU ``nn.Linear`` layers through the kernel, for inputs of up to
-    ``max_rows`` rows (None: calibrate here; -1: any). Returns how many layers were routed (0 when
-    the kernels cannot be built here or never win)."""
+    """Route the model's fp32 and bf16 CPU ``nn.Linear`` layers through the kernels, for inputs of
+    up to ``max_rows`` rows (None: calibrate each layer shape here; -1: any). Returns how many
+    layers were routed (0 when the kernels cannot be built here or never win)."""
     kernel = cpu_kernels.load()
     if kernel is None:
         return 0
-    if max_rows is None:
-        widest = max((m for m in model.modules() if isinstance(m, torch.nn.Linear)
-                      and m.weight.dtype == torch.float32 and m.out_features % 16 == 0),
-                     key=lambda m: m.in_features * m.out_features if m.out_features < 8 * m.in_features else 0,
-                     default=None)
-        if widest is None:
-            return 0
-        max_rows = calibrate(kernel, widest.in_features, widest.out_features)
-        log.info("CPU linear kernel calibration: it beats torch up to %s rows",
-                 "any number of" if max_rows < 0 else max_rows)
-        if max_rows == 0:
-            return 0
-    if max_rows < 0:
-        max_rows = 1 << 62
     embedding_ptrs = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    limits: dict[tuple, int] = {}
     count = 0
     for lin in model.modules():
-        if not isinstance(lin, torch.nn.Linear) or getattr(lin, "_batchery_kernel", None) is not None:
+        if not _eligible(lin, kernel):
             continue
         w = lin.weight
-        if w.dtype != torch.float32 or w.device.type != "cpu" or lin.out_features % 16:
+        key = (lin.in_features, lin.out_features, w.dtype)
+        if max_rows is not None:
+            limit = ANY if max_rows < 0 else max_rows
+        elif key not in limits:
+            limit = limits[key] = calibrate(kernel, *key)
+            log.info("CPU linear kernel, %s %dx%d: faster than torch up to %s rows", str(w.dtype)[6:],
+                     lin.in_features, lin.out_features, "any number of" if limit == ANY else limit)
+        else:
+            limit = limits[key]
+        if limit == 0:
             continue
         with torch.no_grad():
-            wt = w.detach().t().contiguous()  # [in, out]
-        if w.data_ptr() in embedding_ptrs:  # tied to the embedding: untie, the embedding keeps its rows
-            lin.weight = torch.nn.Parameter(wt.t(), requires_grad=False)
-        else:
-            lin.weight.data = wt.t()
+            if w.dtype == torch.float32:
+                wt = w.detach().t().contiguous()  # [in, out]
+                if w.data_ptr() in embedding_ptrs:  # tied to the embedding: untie, the embedding keeps its rows
+                    lin.weight = torch.nn.Parameter(wt.t(), requires_grad=False)
+                else:
+                    lin.weight.data = wt.t()
+                lin.forward = types.MethodType(_forward_fp32, lin)
+            else:
+                lin._batchery_packed = kernel.pack_bf16(w.detach())
+                lin.forward = types.MethodType(_forward_bf16, lin)
         lin._batchery_kernel = kernel
-        lin._batchery_max_rows = max_rows
-        lin.forward = types.MethodType(_forward, lin)
+        lin._batchery_max_rows = limit
         count += 1
     if count:
-        log.info("%d fp32 linear layers run on the C++ CPU kernel", count)
+        log.info("%d linear layers run on the C++ CPU kernels", count)
     return count

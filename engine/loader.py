@@ -144,7 +144,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     hf_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, **common, **extra)
     hf_model.to(dev).eval()
     hf_model.requires_grad_(False)
-    if dev.type == "cpu" and torch_dtype == torch.float32:
+    if dev.type == "cpu" and torch_dtype in (torch.float32, torch.bfloat16):
         from engine import fast_linear
 
         fast_linear.install(hf_model)

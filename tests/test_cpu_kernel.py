@@ -102,7 +102,7 @@ def test_fast_linear_skips_what_it_cannot_run_and_unties_embeddings():
     head = torch.nn.Linear(32, 64, bias=False)
     head.weight = emb.weight  # tied, as in most small LMs
     odd = torch.nn.Linear(32, 10)  # out_features not a multiple of 16: left to torch
-    half = torch.nn.Linear(32, 16).to(torch.bfloat16)  # not fp32: left to torch
+    half = torch.nn.Linear(32, 16).to(torch.float16)  # fp16: left to torch
     model = torch.nn.ModuleList([emb, head, odd, half])
     ids = torch.tensor([3, 7, 63])
     with torch.inference_mode():
@@ -124,4 +124,25 @@ def test_fast_linear_row_limit_routes_larger_inputs_to_torch():
         assert fast_linear.install(torch.nn.Sequential(lin), max_rows=8) == 1
         torch.testing.assert_close(lin(x_small), want_small, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lin(x_big), want_big, rtol=1e-5, atol=1e-5)
-    assert fast_linear.calibrate(cpu_paged.load(), 64, 128) in (0, -1, *fast_linear.CALIBRATION_ROWS)
+    assert fast_linear.calibrate(cpu_paged.load(), 64, 128) in (0, fast_linear.ANY, *fast_linear.CALIBRATION_ROWS)
+
+
+@pytest.mark.parametrize("rows", [1, 6, 13, 70])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fast_linear_bf16_matches_torch(rows, bias):
+    from engine import fast_linear
+
+    if not cpu_paged.load().has_bf16_linear():
+        pytest.skip("this CPU (or compiler) has no AVX512-BF16: bf16 linears stay on torch")
+    torch.manual_seed(rows)
+    lin = torch.nn.Linear(96, 80, bias=bias).to(torch.bfloat16)
+    x = torch.randn(3, rows, 96).to(torch.bfloat16)
+    with torch.inference_mode():
+        want = lin(x).float()
+        exact = torch.nn.functional.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
+        assert fast_linear.install(torch.nn.Sequential(lin), max_rows=-1) == 1
+        got = lin(x)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    # both round an fp32 accumulation to bf16 once: within one bf16 step of the exact result
+    assert ((got.float() - exact).abs() <= exact.abs() * 2 ** -7 + 1e-3).all()
+    assert (got.float() - want).abs().max() <= want.abs().max() * 2 ** -6
