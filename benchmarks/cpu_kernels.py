@@ -4,8 +4,8 @@
 
 Prints (1) the paged decode kernel's time for one decode step (30 layers, 9 query / 3 KV heads,
 head_dim 64) over a KV pool of randomly placed blocks, next to the torch reference (gather +
-SDPA), and (2) the fp32 linear kernel against ``F.linear`` (MKL) for the model's 30 x 7 layer
-weights and its LM head, at several row counts."""
+SDPA), and (2) the fp32 and bf16 linear kernels against ``F.linear`` (MKL / oneDNN) for the
+model's 30 x 7 layer weights and its LM head, at several row counts."""
 
 from __future__ import annotations
 
@@ -52,20 +52,31 @@ def decode(kernel, dtype, seqs: int, context: int, block_size: int) -> None:
           f"({kv_bytes / ours / 1e9:4.1f} GB/s of KV), torch gather+SDPA {ref * 1e3:6.1f} ms, {ref / ours:4.1f}x")
 
 
-def linear(kernel, rows_list) -> None:
+def linear(kernel, rows_list, dtype) -> None:
     g = torch.Generator().manual_seed(0)
     shapes = [(HIDDEN, HIDDEN), (KV_HEADS * HEAD_DIM, HIDDEN), (KV_HEADS * HEAD_DIM, HIDDEN), (HIDDEN, HIDDEN),
               (FFN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN)] * LAYERS
-    ws = [torch.randn(s, generator=g) for s in shapes]
-    wts = [w.t().contiguous() for w in ws]
-    head = torch.randn(VOCAB, HIDDEN, generator=g)
-    head_t = head.t().contiguous()
+    ws = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+    head = torch.randn(VOCAB, HIDDEN, generator=g).to(dtype)
+    if dtype == torch.float32:
+        def prep(w):
+            return w.t().contiguous()
+
+        def ours(x, w):
+            return kernel.linear_t(x, w, None)
+    else:
+        prep = kernel.pack_bf16
+
+        def ours(x, w):
+            return kernel.linear_bf16(x, w, None)
+    packed = [prep(w) for w in ws]
+    head_p = prep(head)
     for rows in rows_list:
-        x = {k: torch.randn(rows, k, generator=g) for k in (HIDDEN, FFN)}
+        x = {k: torch.randn(rows, k, generator=g).to(dtype) for k in (HIDDEN, FFN)}
         t_torch = timed(lambda: [F.linear(x[w.shape[1]], w) for w in ws], 3)
-        t_ours = timed(lambda: [kernel.linear_t(x[w.shape[0]], w, None) for w in wts], 3)
+        t_ours = timed(lambda: [ours(x[w.shape[1]], p) for w, p in zip(ws, packed)], 3)
         h_torch = timed(lambda: F.linear(x[HIDDEN], head), 3)
-        h_ours = timed(lambda: kernel.linear_t(x[HIDDEN], head_t, None), 3)
+        h_ours = timed(lambda: ours(x[HIDDEN], head_p), 3)
         print(f"  rows {rows:4d}: layers torch {t_torch * 1e3:6.1f} ms, ours {t_ours * 1e3:6.1f} ms "
               f"({t_torch / t_ours:4.2f}x) | LM head torch {h_torch * 1e3:5.1f} ms, ours {h_ours * 1e3:5.1f} ms "
               f"({h_torch / h_ours:4.2f}x)")
@@ -85,8 +96,14 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         for bs in (8, 16):
             decode(kernel, dtype, args.seqs, args.context, bs)
-    print("fp32 linear, SmolLM2-135M weights:")
-    linear(kernel, [int(r) for r in args.rows.split(",")])
+    rows = [int(r) for r in args.rows.split(",")]
+    print("fp32 linear, SmolLM2-135M weights (torch: MKL):")
+    linear(kernel, rows, torch.float32)
+    if kernel.has_bf16_linear():
+        print("bf16 linear, SmolLM2-135M weights (torch: oneDNN):")
+        linear(kernel, rows, torch.bfloat16)
+    else:
+        print("bf16 linear: this CPU or compiler has no AVX512-BF16, torch keeps bf16 linears")
 
 
 if __name__ == "__main__":
