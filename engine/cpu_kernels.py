@@ -16,7 +16,7 @@ import threading
 
 log = logging.getLogger("batchery.engine.kernels")
 
-NAME = "batchery_cpu_kernels_v4"  # bump when the source changes (the build cache is keyed by it)
+NAME = "batchery_cpu_kernels_v5"  # bump when the source changes (the build cache is keyed by it)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -212,45 +212,71 @@ static inline void store16(float* p, vf16 v) { *reinterpret_cast<vf16u*>(p) = v;
 
 
 // out[i, n0 : n0 + 16 * NV] = x[i, :] @ wt[:, n0 : ...] for i < MB. wt is [K, N] (the transposed weight).
-template <int MB, int NV>
-static inline void tile(const float* __restrict x, const float* __restrict wt, float* __restrict out,
-                        int64_t K, int64_t N, int64_t n0) {
-  vf16 acc[MB][NV];
+// A tile kernel computes out[i, n0 : n0 + 16 * NV] for i < MB over kl steps of k:
+// struct { using X = ...; template <int MB, int NV> static void run(x, w, out, kl, N, n0); }
+// with x [MB, kl] and w [kl, N] (elements of type X), out float [*, N].
+struct TileF32 {
+  using X = float;
+  template <int MB, int NV>
+  static inline void run(const float* __restrict x, const float* __restrict wt, float* __restrict out,
+                         int64_t K, int64_t N, int64_t n0) {
+    vf16 acc[MB][NV];
 #pragma GCC unroll 8
-  for (int i = 0; i < MB; ++i)
+    for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) acc[i][v] = vf16{};
-  const float* w = wt + n0;
-  for (int64_t k = 0; k < K; ++k, w += N) {
-    vf16 wv[NV];
+      for (int v = 0; v < NV; ++v) acc[i][v] = vf16{};
+    const float* w = wt + n0;
+    for (int64_t k = 0; k < K; ++k, w += N) {
+      vf16 wv[NV];
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) wv[v] = load16(w + 16 * v);
+      for (int v = 0; v < NV; ++v) wv[v] = load16(w + 16 * v);
 #pragma GCC unroll 8
-    for (int i = 0; i < MB; ++i) {
-      const float xs = x[i * K + k];
+      for (int i = 0; i < MB; ++i) {
+        const float xs = x[i * K + k];
 #pragma GCC unroll 8
-      for (int v = 0; v < NV; ++v) acc[i][v] += xs * wv[v];
+        for (int v = 0; v < NV; ++v) acc[i][v] += xs * wv[v];
+      }
     }
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) store16(out + i * N + n0 + 16 * v, acc[i][v]);
   }
-#pragma GCC unroll 8
-  for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) store16(out + i * N + n0 + 16 * v, acc[i][v]);
+};
+
+template <typename Tile, int NV>
+static inline void tile_rows(int64_t mb, const typename Tile::X* x, const typename Tile::X* w, float* out,
+                             int64_t kl, int64_t N, int64_t n0) {
+  switch (mb) {
+    case 6: Tile::template run<6, NV>(x, w, out, kl, N, n0); break;
+    case 5: Tile::template run<5, NV>(x, w, out, kl, N, n0); break;
+    case 4: Tile::template run<4, NV>(x, w, out, kl, N, n0); break;
+    case 3: Tile::template run<3, NV>(x, w, out, kl, N, n0); break;
+    case 2: Tile::template run<2, NV>(x, w, out, kl, N, n0); break;
+    default: Tile::template run<1, NV>(x, w, out, kl, N, n0);
+  }
 }
 
-template <int NV>
-static inline void panel(const float* x, const float* wt, float* out, int64_t m0, int64_t mb, int64_t K, int64_t N,
-                         int64_t n0) {
-  const float* xp = x + m0 * K;
-  float* op = out + m0 * N;
-  switch (mb) {
-    case 6: tile<6, NV>(xp, wt, op, K, N, n0); break;
-    case 5: tile<5, NV>(xp, wt, op, K, N, n0); break;
-    case 4: tile<4, NV>(xp, wt, op, K, N, n0); break;
-    case 3: tile<3, NV>(xp, wt, op, K, N, n0); break;
-    case 2: tile<2, NV>(xp, wt, op, K, N, n0); break;
-    default: tile<1, NV>(xp, wt, op, K, N, n0);
-  }
+// out [M, N] = x [M, kl] . w [kl, N] in 6 x 64 tiles, in parallel over (column panel, row tile);
+// N % 16 == 0.
+template <typename Tile>
+static void tiled_linear(const typename Tile::X* x, const typename Tile::X* w, float* out, int64_t M, int64_t kl,
+                         int64_t N) {
+  const int64_t npanels = (N + 63) / 64, mtiles = (M + 5) / 6;
+  at::parallel_for(0, npanels * mtiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t p = t / mtiles, mt = t % mtiles;
+      const int64_t n0 = p * 64, m0 = mt * 6, mb = M - m0 < 6 ? M - m0 : 6;
+      const auto* xp = x + m0 * kl;
+      float* op = out + m0 * N;
+      switch ((N - n0) >= 64 ? 4 : (N - n0) / 16) {
+        case 4: tile_rows<Tile, 4>(mb, xp, w, op, kl, N, n0); break;
+        case 3: tile_rows<Tile, 3>(mb, xp, w, op, kl, N, n0); break;
+        case 2: tile_rows<Tile, 2>(mb, xp, w, op, kl, N, n0); break;
+        default: tile_rows<Tile, 1>(mb, xp, w, op, kl, N, n0);
+      }
+    }
+  });
 }
 
 // y = x @ wt (+ bias): x [..., K] float, wt [K, N] float contiguous (the transposed weight), N % 16 == 0
@@ -264,22 +290,7 @@ at::Tensor linear_t(at::Tensor x, at::Tensor wt, c10::optional<at::Tensor> bias)
   auto xf = x.reshape({-1, K}).contiguous();
   const int64_t M = xf.size(0);
   auto out = at::empty({M, N}, xf.options());
-  const float* xp = xf.data_ptr<float>();
-  const float* wp = wt.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t npanels = (N + 63) / 64, mtiles = (M + 5) / 6;
-  at::parallel_for(0, npanels * mtiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t p = t / mtiles, mt = t % mtiles;
-      const int64_t n0 = p * 64, m0 = mt * 6, mb = M - m0 < 6 ? M - m0 : 6;
-      switch ((N - n0) >= 64 ? 4 : (N - n0) / 16) {
-        case 4: panel<4>(xp, wp, op, m0, mb, K, N, n0); break;
-        case 3: panel<3>(xp, wp, op, m0, mb, K, N, n0); break;
-        case 2: panel<2>(xp, wp, op, m0, mb, K, N, n0); break;
-        default: panel<1>(xp, wp, op, m0, mb, K, N, n0);
-      }
-    }
-  });
+  tiled_linear<TileF32>(xf.data_ptr<float>(), wt.data_ptr<float>(), out.data_ptr<float>(), M, K, N);
   if (bias.has_value() && bias->defined()) out.add_(*bias);
   xs.back() = N;
   return out.view(xs);
@@ -293,46 +304,34 @@ at::Tensor linear_t(at::Tensor x, at::Tensor wt, c10::optional<at::Tensor> bias)
 #ifdef __AVX512BF16__
 // y[i, n] = sum_k x[i, k] w[n, k]; wp is the weight packed as uint32 [K/2, N]: (w[n][2k], w[n][2k+1]).
 // Same 6 x 64 register tile as the fp32 kernel; vdpbf16ps multiplies a pair of k per lane.
-template <int MB, int NV>
-static inline void tile_bf16(const uint32_t* __restrict x, int64_t K2, const uint32_t* __restrict wp, float* __restrict out,
-                             int64_t N, int64_t n0) {
-  __m512 acc[MB][NV];
+struct TileBF16 {
+  using X = uint32_t;  // a pair of bf16
+  template <int MB, int NV>
+  static inline void run(const uint32_t* __restrict x, const uint32_t* __restrict wp, float* __restrict out,
+                         int64_t K2, int64_t N, int64_t n0) {
+    __m512 acc[MB][NV];
 #pragma GCC unroll 8
-  for (int i = 0; i < MB; ++i)
+    for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
-  const uint32_t* w = wp + n0;
-  for (int64_t k = 0; k < K2; ++k, w += N) {
-    __m512i wv[NV];
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+    const uint32_t* w = wp + n0;
+    for (int64_t k = 0; k < K2; ++k, w += N) {
+      __m512i wv[NV];
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_si512(w + 16 * v);
+      for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_si512(w + 16 * v);
 #pragma GCC unroll 8
-    for (int i = 0; i < MB; ++i) {
-      const __m512i xb = _mm512_set1_epi32(static_cast<int>(x[i * K2 + k]));
+      for (int i = 0; i < MB; ++i) {
+        const __m512i xb = _mm512_set1_epi32(static_cast<int>(x[i * K2 + k]));
 #pragma GCC unroll 8
-      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], (__m512bh)xb, (__m512bh)wv[v]);
+        for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], (__m512bh)xb, (__m512bh)wv[v]);
+      }
     }
-  }
 #pragma GCC unroll 8
-  for (int i = 0; i < MB; ++i)
+    for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + i * N + n0 + 16 * v, acc[i][v]);
-}
-
-template <int NV>
-static inline void panel_bf16(const uint32_t* x, const uint32_t* wp, float* out, int64_t m0, int64_t mb, int64_t K2,
-                              int64_t N, int64_t n0) {
-  const uint32_t* xp = x + m0 * K2;
-  float* op = out + m0 * N;
-  switch (mb) {
-    case 6: tile_bf16<6, NV>(xp, K2, wp, op, N, n0); break;
-    case 5: tile_bf16<5, NV>(xp, K2, wp, op, N, n0); break;
-    case 4: tile_bf16<4, NV>(xp, K2, wp, op, N, n0); break;
-    case 3: tile_bf16<3, NV>(xp, K2, wp, op, N, n0); break;
-    case 2: tile_bf16<2, NV>(xp, K2, wp, op, N, n0); break;
-    default: tile_bf16<1, NV>(xp, K2, wp, op, N, n0);
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + i * N + n0 + 16 * v, acc[i][v]);
   }
-}
+};
 #endif
 
 bool has_bf16_linear() {
@@ -352,28 +351,17 @@ at::Tensor pack_bf16(at::Tensor w) {
 
 at::Tensor linear_bf16(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bias) {
 #ifdef __AVX512BF16__
+  TORCH_CHECK(wp.dim() == 2 && wp.is_contiguous() && wp.scalar_type() == at::kInt,
+              "linear_bf16: the weight must come from pack_bf16");
   const int64_t K2 = wp.size(0), N = wp.size(1), K = 2 * K2;
-  TORCH_CHECK(N % 16 == 0 && x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "linear_bf16: shapes");
+  TORCH_CHECK(N % 16 == 0, "linear_bf16: out_features must be a multiple of 16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "linear_bf16: the input must be bf16 [..., K]");
   auto xs = x.sizes().vec();
   auto xf = x.reshape({-1, K}).contiguous();
   const int64_t M = xf.size(0);
   auto out = at::empty({M, N}, xf.options().dtype(at::kFloat));
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xf.data_ptr());
-  const uint32_t* wpp = reinterpret_cast<const uint32_t*>(wp.data_ptr());
-  float* op = out.data_ptr<float>();
-  const int64_t npanels = (N + 63) / 64, mtiles = (M + 5) / 6;
-  at::parallel_for(0, npanels * mtiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t p = t / mtiles, mt = t % mtiles;
-      const int64_t n0 = p * 64, m0 = mt * 6, mb = M - m0 < 6 ? M - m0 : 6;
-      switch ((N - n0) >= 64 ? 4 : (N - n0) / 16) {
-        case 4: panel_bf16<4>(xp, wpp, op, m0, mb, K2, N, n0); break;
-        case 3: panel_bf16<3>(xp, wpp, op, m0, mb, K2, N, n0); break;
-        case 2: panel_bf16<2>(xp, wpp, op, m0, mb, K2, N, n0); break;
-        default: panel_bf16<1>(xp, wpp, op, m0, mb, K2, N, n0);
-      }
-    }
-  });
+  tiled_linear<TileBF16>(reinterpret_cast<const uint32_t*>(xf.data_ptr()),
+                         reinterpret_cast<const uint32_t*>(wp.data_ptr()), out.data_ptr<float>(), M, K2, N);
   if (bias.has_value() && bias->defined()) out.add_(*bias);
   xs.back() = N;
   return out.to(at::kBFloat16).view(xs);
