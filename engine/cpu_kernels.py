@@ -16,7 +16,7 @@ import threading
 
 log = logging.getLogger("batchery.engine.kernels")
 
-NAME = "batchery_cpu_kernels_v5"  # bump when the source changes (the build cache is keyed by it)
+NAME = "batchery_cpu_kernels_v6"  # bump when the source changes (the build cache is keyed by it)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -29,12 +29,8 @@ _SOURCE = r"""
 // Decode attention straight from the paged pool [num_blocks, block_size, Hkv, D].
 // A task is one sequence and a group of its KV heads; with enough sequences every task takes all
 // heads, so each block (all heads of block_size tokens, contiguous) is read front to back once for
-// K and once for V, and the next block is prefetched while this one is used. head_dim is a
+// K and once for V, in one pass with an online softmax, while the next block is prefetched. head_dim is a
 // compile-time constant for the common sizes, so the per-head accumulators live in registers.
-
-static inline void to_float(const float* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
-}
 
 static inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
@@ -74,7 +70,6 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
   T* op = out.data_ptr<T>();
   const int64_t tok_stride = Hkv * D;  // one token of one block: all its KV heads
   const int64_t blk_stride = bs * tok_stride;
-  const int64_t blk_bytes = blk_stride * static_cast<int64_t>(sizeof(T));
   const int64_t row_bytes = tok_stride * static_cast<int64_t>(sizeof(T));
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const int64_t nthreads = at::get_num_threads();
@@ -210,8 +205,6 @@ typedef float vf16u __attribute__((vector_size(64), aligned(4), may_alias));
 static inline vf16 load16(const float* p) { return *reinterpret_cast<const vf16u*>(p); }
 static inline void store16(float* p, vf16 v) { *reinterpret_cast<vf16u*>(p) = v; }
 
-
-// out[i, n0 : n0 + 16 * NV] = x[i, :] @ wt[:, n0 : ...] for i < MB. wt is [K, N] (the transposed weight).
 // A tile kernel computes out[i, n0 : n0 + 16 * NV] for i < MB over kl steps of k:
 // struct { using X = ...; template <int MB, int NV> static void run(x, w, out, kl, N, n0); }
 // with x [MB, kl] and w [kl, N] (elements of type X), out float [*, N].

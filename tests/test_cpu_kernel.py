@@ -15,10 +15,9 @@ def kernel():
         pytest.fail("the CPU paged-attention kernel did not build (compiler or ninja missing?)")
 
 
-def _case(dtype, block_size, hkv, groups, head_dim, seed=0, ctx=(1, 7, None, None, 50)):
+def _case(dtype, block_size, hkv, groups, head_dim, seed=0, ctx=None):
     g = torch.Generator().manual_seed(seed)
-    ctx = torch.tensor([block_size if c is None and i == 2 else 3 * block_size + 5 if c is None else c
-                        for i, c in enumerate(ctx)])
+    ctx = torch.tensor(ctx or (1, 7, block_size, 3 * block_size + 5, 50))
     b = len(ctx)
     num_blocks = int(sum(-(-n // block_size) for n in ctx.tolist())) + 8
     kc = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(dtype)
