@@ -34,17 +34,10 @@ CALIBRATION_ROWS = (8, 64, 512)
 ANY = 1 << 62
 
 
-def _forward_fp32(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if (x.dtype == torch.float32 and not x.requires_grad and x.device.type == "cpu"
+def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if (x.dtype == self.weight.dtype and not x.requires_grad and x.device.type == "cpu"
             and x.numel() <= self._batchery_max_rows * x.shape[-1]):
-        return self._batchery_kernel.linear_t(x, self.weight.t(), self.bias)
-    return F.linear(x, self.weight, self.bias)
-
-
-def _forward_bf16(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if (x.dtype == torch.bfloat16 and not x.requires_grad and x.device.type == "cpu"
-            and x.numel() <= self._batchery_max_rows * x.shape[-1]):
-        return self._batchery_kernel.linear_bf16(x, self._batchery_packed, self.bias)
+        return self._batchery_linear(x, self.bias)
     return F.linear(x, self.weight, self.bias)
 
 
@@ -59,12 +52,13 @@ def _best_time(fn, reps: int = 3) -> float:
 
 
 def _kernel_fn(kernel, w: torch.Tensor):
-    """(callable x -> y through the kernel, the weight tensor that callable reads)"""
+    """(callable (x, bias) -> y through the kernel, the tensor that callable reads: for fp32 the
+    transposed weight, for bf16 the packed copy)"""
     if w.dtype == torch.float32:
         wt = w.t().contiguous()
-        return (lambda x: kernel.linear_t(x, wt, None)), wt
+        return (lambda x, bias=None: kernel.linear_t(x, wt, bias)), wt
     packed = kernel.pack_bf16(w)
-    return (lambda x: kernel.linear_bf16(x, packed, None)), packed
+    return (lambda x, bias=None: kernel.linear_bf16(x, packed, bias)), packed
 
 
 def calibrate(kernel, in_features: int, out_features: int, dtype: torch.dtype = torch.float32) -> int:
@@ -120,16 +114,13 @@ def install(model: torch.nn.Module, max_rows: int | None = None) -> int:
         if limit == 0:
             continue
         with torch.no_grad():
-            if w.dtype == torch.float32:
-                wt = w.detach().t().contiguous()  # [in, out]
+            lin._batchery_linear, kernel_weight = _kernel_fn(kernel, w.detach())
+            if w.dtype == torch.float32:  # the kernel's [in, out] copy becomes the weight's storage
                 if w.data_ptr() in embedding_ptrs:  # tied to the embedding: untie, the embedding keeps its rows
-                    lin.weight = torch.nn.Parameter(wt.t(), requires_grad=False)
+                    lin.weight = torch.nn.Parameter(kernel_weight.t(), requires_grad=False)
                 else:
-                    lin.weight.data = wt.t()
-                lin.forward = types.MethodType(_forward_fp32, lin)
-            else:
-                lin._batchery_packed = kernel.pack_bf16(w.detach())
-                lin.forward = types.MethodType(_forward_bf16, lin)
+                    lin.weight.data = kernel_weight.t()
+        lin.forward = types.MethodType(_forward, lin)
         lin._batchery_kernel = kernel
         lin._batchery_max_rows = limit
         count += 1
