@@ -62,6 +62,13 @@ def redis_client(url: str):
     return redis.Redis.from_url(url)
 
 
+def drop_queue_keys(r, queue: str) -> None:
+    """Delete a test queue's keys: the queue itself and kombu's binding set for it."""
+    keys = list(r.scan_iter(match=f"{queue}*")) + list(r.scan_iter(match=f"_kombu.binding*{queue}"))
+    if keys:
+        r.delete(*keys)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random-weight Llama (2 layers, word-level tokenizer, chat template) on disk."""
@@ -219,9 +226,7 @@ class WorkerFactory:
             w.kill()
         r = redis_client(self.broker)
         for q in self.queues:
-            keys = list(r.scan_iter(match=f"{q}*"))
-            if keys:
-                r.delete(*keys)
+            drop_queue_keys(r, q)
 
 
 @pytest.fixture(scope="session")

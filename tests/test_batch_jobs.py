@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from conftest import TEST_BROKER_URL, TEST_RESULT_BACKEND, redis_client
+from conftest import TEST_BROKER_URL, TEST_RESULT_BACKEND, drop_queue_keys, redis_client
 from tasks import batch
 from tasks.client import Client
 from tasks.jobs import JobNotFound, JobStore
@@ -50,10 +50,7 @@ def client(prefix):
     c = Client(settings=Settings(broker_url=TEST_BROKER_URL, result_backend=TEST_RESULT_BACKEND, queue=queue,
                                  batch={"key_prefix": prefix, "max_line_bytes": 4096, "ttl": 600}))
     yield c
-    r = redis_client(TEST_BROKER_URL)
-    keys = list(r.scan_iter(match=f"{queue}*")) + list(r.scan_iter(match=f"_kombu.binding*.{queue}"))
-    if keys:
-        r.delete(*keys)
+    drop_queue_keys(redis_client(TEST_BROKER_URL), queue)
     c.close()
 
 

@@ -229,7 +229,7 @@ def test_lines_whose_messages_were_lost_are_found_and_queued_again(redis_urls):
     line 3 is leased (running): only line 1 is queued again, with a fresh delivery tag."""
     import uuid
 
-    from conftest import TEST_BROKER_URL, TEST_RESULT_BACKEND, redis_client
+    from conftest import TEST_BROKER_URL, TEST_RESULT_BACKEND, drop_queue_keys, redis_client
     from tasks.client import Client
     from tasks.recover import find_lost
     from worker.settings import Settings
@@ -268,9 +268,7 @@ def test_lines_whose_messages_were_lost_are_found_and_queued_again(redis_urls):
         if tag:
             broker.hdel("unacked", tag)
         for r in (broker, redis_client(TEST_RESULT_BACKEND)):
-            keys = list(r.scan_iter(match=f"{queue}*")) + list(r.scan_iter(match=f"_kombu.binding*{queue}"))
-            if keys:
-                r.delete(*keys)
+            drop_queue_keys(r, queue)
         c.close()
 
 
