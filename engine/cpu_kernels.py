@@ -16,7 +16,7 @@ import threading
 
 log = logging.getLogger("batchery.engine.kernels")
 
-NAME = "batchery_cpu_kernels_v6"  # bump when the source changes (the build cache is keyed by it)
+NAME = "batchery_cpu_kernels_v7"  # bump when the source changes (the build cache is keyed by it)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -165,12 +165,218 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
   });
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+// ---- paged decode attention, AVX512 (head_dim 64 / 128) ------------------------------------------
+// The same one-pass online softmax, vectorised over 16 tokens at a time: for each query head, the
+// 16 dot products accumulate in 16 vectors and are summed across lanes together (hsum16), the
+// probabilities come from a vector exp, and V rows are added with one broadcast per token. The
+// tokens are walked in the sequence's own order across its blocks, so any block size works.
+
+// 32 elements of a row as two float vectors, in the kernel's element order. float: as they are.
+// bf16: one load, split without shuffles into the even elements (shifted up 16 bits) and the odd ones
+// (low half masked off), so within each 32 the order is 0, 2, .., 30, 1, 3, .., 31; q is permuted into
+// the same order, which leaves dot products unchanged, and the output is permuted back.
+static inline void load32(const float* p, __m512& a, __m512& b) {
+  a = _mm512_loadu_ps(p);
+  b = _mm512_loadu_ps(p + 16);
+}
+static inline void load32(const c10::BFloat16* p, __m512& a, __m512& b) {
+  const __m512i x = _mm512_loadu_si512(p);
+  a = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  b = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+static inline int64_t lane_of(const float*, int64_t d) { return d; }
+static inline int64_t lane_of(const c10::BFloat16*, int64_t d) {
+  const int64_t i = d & 31;
+  return (d & ~int64_t{31}) + (i & 1) * 16 + (i >> 1);
+}
+
+// out lane j = sum of the 16 lanes of v[j]
+static inline __m512 hsum16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sum of 4 consecutive inputs
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // pairs of 128-bit lanes summed: [0-3 lo, 0-3 hi, 4-7 lo, 4-7 hi]
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+// exp(x) for x <= 0 (Cephes' polynomial on [-ln2/2, ln2/2], scaled by 2^n); about 1 ulp.
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// q . k for one row: the dot product's 16 partial sums (summed across lanes later, 16 rows at once)
+template <typename T, int NV>
+static inline __m512 dot_row(const __m512* qv, const T* __restrict k) {
+  __m512 k0, k1;
+  load32(k, k0, k1);
+  __m512 a = _mm512_fmadd_ps(qv[1], k1, _mm512_mul_ps(qv[0], k0));
+#pragma GCC unroll 8
+  for (int v = 2; v < NV; v += 2) {
+    load32(k + 16 * v, k0, k1);
+    a = _mm512_fmadd_ps(qv[v + 1], k1, _mm512_fmadd_ps(qv[v], k0, a));
+  }
+  return a;
+}
+
+template <typename T>
+static inline void prefetch_rows(const T* base, const int64_t* rows, int64_t n, int64_t bytes) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(reinterpret_cast<const char*>(base + rows[j]) + o);
+}
+
+template <typename T, int D>
+static void decode_avx512(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt,
+                          const at::Tensor& ctx, at::Tensor& out, double scale, int64_t window, double softcap) {
+  constexpr int NV = D / 16, CH = 16, PF = 32;  // PF: rows are prefetched this many tokens ahead
+  const int64_t B = q.size(0), H = q.size(1);
+  const int64_t bs = kc.size(1), Hkv = kc.size(2);
+  const int64_t G = H / Hkv, maxb = bt.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  const int64_t* btp = bt.data_ptr<int64_t>();
+  const int64_t* cp = ctx.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t tok_stride = Hkv * D, blk_stride = bs * tok_stride;
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  const int64_t nthreads = at::get_num_threads();
+  const int64_t groups = B >= 4 * nthreads ? 1 : Hkv;
+  const int64_t hper = Hkv / groups;
+  const int64_t row_bytes = hper * D * static_cast<int64_t>(sizeof(T));
+  at::parallel_for(0, B * groups, 1, [=](int64_t begin, int64_t end) {
+    // everything the inner loops touch is a local, so the vector stores cannot force reloads
+    std::vector<float> qbuf(H * D), accbuf(H * D), mxbuf(H), sumbuf(H);
+    std::vector<int64_t> rowbuf(maxb * bs);
+    float* __restrict qf = qbuf.data();
+    float* __restrict acc = accbuf.data();
+    float* __restrict mx = mxbuf.data();
+    float* __restrict sum = sumbuf.data();
+    int64_t* __restrict rows = rowbuf.data();
+    alignas(64) float pr[CH];
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t b = idx / groups, h0 = (idx % groups) * hper;
+      const int64_t hq0 = h0 * G, nq = hper * G;
+      const int64_t n = cp[b];
+      const int64_t start = (window > 0 && n - window > 0) ? n - window : 0;
+      const int64_t len = n - start;
+      T* dst = op + (b * H + hq0) * D;
+      if (len <= 0) {
+        for (int64_t i = 0; i < nq * D; ++i) dst[i] = static_cast<T>(0.f);
+        continue;
+      }
+      const T* src = qp + (b * H + hq0) * D;
+      for (int64_t qi = 0; qi < nq; ++qi)
+        for (int64_t d = 0; d < D; ++d) qf[qi * D + lane_of(kp, d)] = static_cast<float>(src[qi * D + d]) * fscale;
+      std::fill(acc, acc + nq * D, 0.f);
+      const int64_t* table = btp + b * maxb;
+      for (int64_t p = 0, bi = start / bs, off = start % bs; p < len; ++p) {  // token rows, in order
+        rows[p] = table[bi] * blk_stride + off * tok_stride + h0 * D;
+        if (++off == bs) off = 0, ++bi;
+      }
+      prefetch_rows(kp, rows, len < PF ? len : PF, row_bytes);
+      prefetch_rows(vp, rows, len < PF ? len : PF, row_bytes);
+      for (int64_t c = 0; c < len; c += CH) {
+        const int nj = len - c < CH ? static_cast<int>(len - c) : CH;
+        const int64_t* row = rows + c;
+        const int64_t ahead = len - c - PF;  // rows left beyond the prefetch distance
+        if (ahead > 0) {
+          prefetch_rows(kp, row + PF, ahead < CH ? ahead : CH, row_bytes);
+          prefetch_rows(vp, row + PF, ahead < CH ? ahead : CH, row_bytes);
+        }
+        const __mmask16 valid = nj == CH ? 0xFFFF : static_cast<__mmask16>((1u << nj) - 1);
+        for (int64_t qi = 0; qi < nq; ++qi) {
+          const int64_t hoff = (qi / G) * D;  // this query head's KV head, within the task's rows
+          __m512 qv[NV], s[CH];
+#pragma GCC unroll 8
+          for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qf + qi * D + 16 * v);
+          if (nj == CH) {
+#pragma GCC unroll 16
+            for (int j = 0; j < CH; ++j) s[j] = dot_row<T, NV>(qv, kp + row[j] + hoff);
+          } else {
+            for (int j = 0; j < CH; ++j) s[j] = j < nj ? dot_row<T, NV>(qv, kp + row[j] + hoff) : _mm512_setzero_ps();
+          }
+          __m512 sc = hsum16(s);
+          if (cap > 0.f) {
+            _mm512_store_ps(pr, sc);
+            for (int j = 0; j < nj; ++j) pr[j] = cap * std::tanh(pr[j] / cap);
+            sc = _mm512_load_ps(pr);
+          }
+          float* __restrict a = acc + qi * D;
+          const float cmax = _mm512_mask_reduce_max_ps(valid, sc);
+          float m = cmax;
+          if (c == 0) {
+            sum[qi] = 0.f;
+          } else if (cmax > mx[qi]) {  // a new maximum: rescale what was accumulated so far
+            const __m512 r = _mm512_set1_ps(std::exp(mx[qi] - cmax));
+            sum[qi] *= std::exp(mx[qi] - cmax);
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * v), r));
+          } else {
+            m = mx[qi];
+          }
+          mx[qi] = m;
+          const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m))));
+          sum[qi] += _mm512_reduce_add_ps(p);
+          _mm512_store_ps(pr, p);
+          __m512 o[NV];
+#pragma GCC unroll 8
+          for (int v = 0; v < NV; ++v) o[v] = _mm512_loadu_ps(a + 16 * v);
+#pragma GCC unroll 4
+          for (int j = 0; j < nj; ++j) {
+            const __m512 pj = _mm512_set1_ps(pr[j]);
+            const T* __restrict vv = vp + row[j] + hoff;
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; v += 2) {
+              __m512 v0, v1;
+              load32(vv + 16 * v, v0, v1);
+              o[v] = _mm512_fmadd_ps(pj, v0, o[v]);
+              o[v + 1] = _mm512_fmadd_ps(pj, v1, o[v + 1]);
+            }
+          }
+#pragma GCC unroll 8
+          for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a + 16 * v, o[v]);
+        }
+      }
+      for (int64_t qi = 0; qi < nq; ++qi) {
+        const float r = 1.f / sum[qi];
+        for (int64_t d = 0; d < D; ++d) dst[qi * D + d] = static_cast<T>(acc[qi * D + lane_of(kp, d)] * r);
+      }
+    }
+  });
+}
+#endif
+
 template <typename T>
 static void decode_dispatch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt,
                             const at::Tensor& ctx, at::Tensor& out, double scale, int64_t window, double softcap) {
   switch (q.size(2)) {
+#ifdef __AVX512F__
+    case 64: decode_avx512<T, 64>(q, kc, vc, bt, ctx, out, scale, window, softcap); break;
+    case 128: decode_avx512<T, 128>(q, kc, vc, bt, ctx, out, scale, window, softcap); break;
+#else
     case 64: decode_impl<T, 64>(q, kc, vc, bt, ctx, out, scale, window, softcap); break;
     case 128: decode_impl<T, 128>(q, kc, vc, bt, ctx, out, scale, window, softcap); break;
+#endif
     default: decode_impl<T, 0>(q, kc, vc, bt, ctx, out, scale, window, softcap);
   }
 }
