@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +29,19 @@ MAX_DEFAULT_MODEL_LEN = 8192
 
 def _text_config(hf_config):
     return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+
+
+@dataclass
+class PackedStep:
+    """One step as host lists, before it becomes device tensors."""
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    logits_idx: list[int] = field(default_factory=list)
+    sample_seqs: list[Sequence] = field(default_factory=list)
+    decode_tables: list[list[int]] = field(default_factory=list)
+    decode_lens: list[int] = field(default_factory=list)
+    prefills: list[tuple[int, int, int, list[int], bool]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -58,6 +72,21 @@ class ModelRunner:
         ]
         self.backend = self._pick_backend()
         self.sampler = Sampler(self.device, config.seed)
+        self.graphs = self._capture_graphs()
+
+    def _capture_graphs(self):
+        """Decode CUDA graphs (``engine.cuda_graphs``) on CUDA with the Triton backend; None elsewhere,
+        when turned off, or when capture fails (then every step runs eagerly)."""
+        if not self.config.cuda_graphs or self.device.type != "cuda" or self.backend != "triton":
+            return None
+        from engine.cuda_graphs import DecodeGraphs
+
+        try:
+            return DecodeGraphs(self)
+        except Exception as e:  # the engine must still run where graphs cannot be captured
+            log.warning("CUDA graphs disabled, every step runs eagerly: %s: %s", type(e).__name__, e)
+            torch.cuda.synchronize(self.device)
+            return None
 
     def _bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -106,64 +135,62 @@ class ModelRunner:
             return "torch"
         return "triton"
 
-    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]):
-        """Pack the step: decode sequences first, then prefill chunks."""
+    def pack(self, seqs: list[Sequence], num_new_tokens: list[int]) -> PackedStep:
+        """The step as host lists: decode sequences first, then prefill chunks."""
         bs = self.block_size
         order = sorted(range(len(seqs)), key=lambda i: not (num_new_tokens[i] == 1 and seqs[i].num_computed_tokens > 0))
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_idx: list[int] = []
-        sample_seqs: list[Sequence] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[tuple[int, int, int, list[int] | None]] = []
+        p = PackedStep()
         for i in order:
             seq, n = seqs[i], num_new_tokens[i]
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            q_start = len(input_ids)
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
+            q_start = len(p.input_ids)
+            p.input_ids.extend(seq.token_ids[start:end])
+            p.positions.extend(range(start, end))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            p.slots.extend(table[q // bs] * bs + q % bs for q in range(start, end))
             if n == 1 and start > 0:
-                decode_tables.append(table)
-                decode_lens.append(end)
+                p.decode_tables.append(table)
+                p.decode_lens.append(end)
             else:
-                prefills.append((q_start, n, end, table, start > 0))
+                p.prefills.append((q_start, n, end, table, start > 0))
             if end == seq.num_tokens:  # the whole sequence is computed: sample its next token
-                logits_idx.append(q_start + n - 1)
-                sample_seqs.append(seq)
+                p.logits_idx.append(q_start + n - 1)
+                p.sample_seqs.append(seq)
+        return p
 
+    def prepare(self, p: PackedStep):
+        """The packed step as device tensors (ids, positions, rows to sample) and attention metadata."""
+        bs = self.block_size
         dev = self.device
         md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode_tokens=len(decode_lens),
+            slot_mapping=torch.tensor(p.slots, dtype=torch.long, device=dev),
+            num_decode_tokens=len(p.decode_lens),
             decode_block_tables=None,
             decode_context_lens=None,
             kv_caches=self.kv_caches,
             backend=self.backend,
         )
-        if decode_lens:
-            width = max(len(t) for t in decode_tables)
-            md.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
+        if p.decode_lens:
+            width = max(len(t) for t in p.decode_tables)
+            md.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in p.decode_tables],
                                                   dtype=torch.long, device=dev)
-            md.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
+            md.decode_context_lens = torch.tensor(p.decode_lens, dtype=torch.long, device=dev)
         if self.backend == "triton":
             from engine.attention import triton_backend
 
-            triton_backend.add_metadata(md, [(n, ctx, table) for _, n, ctx, table, _ in prefills], dev)
+            triton_backend.add_metadata(md, [(n, ctx, table) for _, n, ctx, table, _ in p.prefills], dev)
         else:
-            for q_start, n, ctx, table, has_prefix in prefills:
+            for q_start, n, ctx, table, has_prefix in p.prefills:
                 bt = torch.tensor(table[: -(-ctx // bs)], dtype=torch.long, device=dev) if has_prefix else None
                 md.prefills.append(PrefillSeq(q_start, n, ctx, bt))
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)[None]
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)[None]
-        keep = torch.tensor(logits_idx, dtype=torch.long, device=dev)
-        return ids, pos, keep, md, sample_seqs
+        ids = torch.tensor(p.input_ids, dtype=torch.long, device=dev)[None]
+        pos = torch.tensor(p.positions, dtype=torch.long, device=dev)[None]
+        keep = torch.tensor(p.logits_idx, dtype=torch.long, device=dev)
+        return ids, pos, keep, md, p.sample_seqs
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor | int,
+                md: AttentionMetadata) -> torch.Tensor:
         set_metadata(md)
         try:
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep)
@@ -173,11 +200,16 @@ class ModelRunner:
 
     def run(self, seqs: list[Sequence], num_new_tokens: list[int], eos_ids: list[int]):
         """One engine step on the device. Returns (sampled seqs, token ids, logprob entries)."""
-        ids, pos, keep, md, sample_seqs = self.prepare(seqs, num_new_tokens)
-        if not sample_seqs:
-            keep = keep.new_zeros(1)  # a pure partial-prefill step: compute K/V, sample nothing
-        logits = self.forward(ids, pos, keep, md)
-        if not sample_seqs:
-            return [], [], []
+        p = self.pack(seqs, num_new_tokens)
+        if self.graphs is not None and not p.prefills and len(p.decode_lens) <= self.graphs.max_size:
+            logits = self.graphs.run(p.input_ids, p.positions, p.slots, p.decode_tables, p.decode_lens)
+            sample_seqs = p.sample_seqs
+        else:
+            ids, pos, keep, md, sample_seqs = self.prepare(p)
+            if not sample_seqs:
+                keep = keep.new_zeros(1)  # a pure partial-prefill step: compute K/V, sample nothing
+            logits = self.forward(ids, pos, keep, md)
+            if not sample_seqs:
+                return [], [], []
         tokens, entries = self.sampler(logits, sample_seqs, eos_ids)
         return sample_seqs, tokens, entries

@@ -365,3 +365,42 @@ def test_engine_with_triton_backend_matches_torch_backend(tiny_model_dir):
     for a, b in zip(results["torch"], results["triton"]):
         assert a.token_ids == b.token_ids
         assert max(abs(x["logprob"] - y["logprob"]) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_decode_graph_buffers_match_eager_steps(tiny_model_dir):
+    """The CUDA-graph decode path without the capture (static buffers, padded buckets) gives the
+    same greedy tokens and logprobs as eager steps, while the batch shrinks through its buckets
+    and padding rows sit where an earlier, larger batch left real slots and block tables."""
+    from engine.config import EngineConfig
+    from engine.cuda_graphs import DecodeGraphs, bucket_sizes
+    from engine.llm_engine import LLMEngine
+    from engine.loader import load_model
+    from engine.sampling import SamplingParams
+
+    assert bucket_sizes(6) == [1, 2, 4, 6]
+    assert bucket_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert bucket_sizes(1) == [1]
+    base = dict(model=str(tiny_model_dir), dtype="float32", device=DEVICE, block_size=4, max_num_seqs=6,
+                attention_backend="triton")
+    loaded = load_model(EngineConfig(**base))
+    shared = [5, 9, 14, 20, 7, 8, 30, 31]  # two full blocks every prompt shares
+    prompts = [shared + [40 + i] * (i + 1) for i in range(5)]
+    results = {}
+    for graphs in (False, True):
+        eng = LLMEngine(EngineConfig(**base), loaded=loaded)
+        assert eng.runner.graphs is None  # not on the CPU
+        if graphs:
+            eng.runner.graphs = DecodeGraphs(eng.runner, capture=False)
+        outs = {}
+        for i, p in enumerate(prompts):  # lengths 3..11: the batch shrinks 5 -> 4 -> ... -> 1
+            eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True,
+                                                      logprobs=0))
+        while eng.has_unfinished():
+            for o in eng.step():
+                outs[o.request_id] = o
+        if graphs:
+            assert eng.runner.graphs.num_runs >= 9  # every decode step went through the buffers
+        results[graphs] = [outs[str(i)] for i in range(len(prompts))]
+    for a, b in zip(results[False], results[True]):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x["logprob"] - y["logprob"]) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4

@@ -64,6 +64,7 @@ class EngineOptions(BaseModel):
         description="KV pool bytes; unset -> 85% of the GPU memory free after the weights, 1 GiB on CPU")
     enable_prefix_caching: bool = Field(default=True, description="share the KV blocks of common prompt prefixes")
     attention_backend: str = Field(default="auto", description="auto (C++ kernel on CPU, Triton on CUDA), cpu, torch or triton")
+    cuda_graphs: bool = Field(default=True, description="replay decode steps from CUDA graphs (CUDA with Triton attention)")
     trust_remote_code: bool = Field(default=False, description="let transformers run a model repo's own code")
     seed: int = Field(default=0, description="sampler seed for requests without their own seed")
 
@@ -197,6 +198,7 @@ class Settings(BaseSettings):
             kv_cache_memory=e.kv_cache_memory,
             enable_prefix_caching=e.enable_prefix_caching,
             attention_backend=e.attention_backend,
+            cuda_graphs=e.cuda_graphs,
             trust_remote_code=e.trust_remote_code,
             seed=e.seed,
         )

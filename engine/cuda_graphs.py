@@ -1,0 +1,110 @@
+"""Decode steps replayed from CUDA graphs.
+
+A decode-only step is a few hundred small kernel launches (per layer: norms, projections, rotary,
+KV store, paged decode, MLP). At the batch sizes of steady decoding the GPU runs them faster than
+Python can issue them, so the runner captures the whole model forward once per batch-size bucket
+at start-up and replays it afterwards:
+
+- the graphs read static input buffers (token ids, positions, slot mapping, block tables and
+  context lengths) sized for the largest bucket;
+- a decode step with ``n`` sequences copies its inputs into the first ``n`` rows and pads the
+  rest of its bucket with rows that store nothing (slot -1) and attend to nothing (context 0);
+- it replays the bucket's graph and samples from the first ``n`` rows of the graph's logits.
+
+Prefill and mixed steps, and decode batches above the largest bucket, run eagerly. Capture runs
+only on CUDA with the Triton attention backend; where CUDA graphs are missing or capture fails,
+the runner logs why and runs every step eagerly. ``capture=False`` runs the same static-buffer
+path without graphs, which is how the CPU tests check the padding and buffer logic."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+
+log = logging.getLogger("batchery.engine.graphs")
+
+
+def bucket_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16, up to and including ``max_num_seqs``."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    sizes += range(16, max_num_seqs, 16)
+    return sorted(set(sizes) | {max_num_seqs})
+
+
+class DecodeGraphs:
+    def __init__(self, runner: ModelRunner, capture: bool = True) -> None:
+        self.runner = runner
+        self.sizes = bucket_sizes(runner.config.max_num_seqs)
+        self.max_size = self.sizes[-1]
+        dev = runner.device
+        n = self.max_size
+        self.width = -(-runner.max_model_len // runner.block_size)
+        self.input_ids = torch.zeros(1, n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(1, n, dtype=torch.long, device=dev)
+        self.slots = torch.full((n,), -1, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros(n, self.width, dtype=torch.int32, device=dev)
+        self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.num_runs = 0  # decode steps run through the static buffers
+        if capture:
+            self._capture_all()
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        """The model on the first ``bs`` rows of the static buffers; returns [bs, vocab] logits."""
+        md = AttentionMetadata(
+            slot_mapping=self.slots[:bs],
+            num_decode_tokens=bs,
+            decode_block_tables=self.block_tables[:bs],
+            decode_context_lens=self.context_lens[:bs],
+            kv_caches=self.runner.kv_caches,
+            backend=self.runner.backend,
+        )
+        return self.runner.forward(self.input_ids[:, :bs], self.positions[:, :bs], 0, md)
+
+    def _capture_all(self) -> None:
+        """One graph per bucket, largest first, all in one memory pool (a smaller bucket's
+        activations reuse a larger one's). The buffers hold padding rows only, so the warm-up and
+        captured runs store no K/V and read none."""
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.sizes):
+            self._forward(bs)  # warm-up: compiles the Triton kernels for this shape outside the capture
+            torch.cuda.synchronize(self.runner.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(bs)
+            self.graphs[bs] = (graph, logits)
+        torch.cuda.synchronize(self.runner.device)
+        log.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s", len(self.graphs),
+                 self.sizes[0], self.max_size, time.perf_counter() - t0)
+
+    def run(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+            context_lens: list[int]) -> torch.Tensor:
+        """One decode step of ``n = len(input_ids) <= max_size`` sequences; returns their [n, vocab] logits."""
+        n = len(input_ids)
+        bs = next(s for s in self.sizes if s >= n)
+        width = max(len(t) for t in tables)
+        self.input_ids[0, :n].copy_(torch.tensor(input_ids, dtype=torch.long))
+        self.positions[0, :n].copy_(torch.tensor(positions, dtype=torch.long))
+        self.slots[:n].copy_(torch.tensor(slots, dtype=torch.long))
+        self.context_lens[:n].copy_(torch.tensor(context_lens, dtype=torch.int32))
+        self.block_tables[:n, :width].copy_(
+            torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32))
+        # padding rows: an earlier, larger batch left real slots and lengths there
+        self.slots[n:bs].fill_(-1)
+        self.context_lens[n:bs].zero_()
+        self.num_runs += 1
+        if bs in self.graphs:
+            graph, logits = self.graphs[bs]
+            graph.replay()
+        else:
+            logits = self._forward(bs)
+        return logits[:n]
