@@ -116,6 +116,19 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}") from None
 
 
+def _dense_gguf(extra: dict) -> dict:
+    """Newer transformers can keep GGUF weights in their quantized blocks (with the optional
+    ``kernels`` package) and warns about it on every bf16 load. The engine's kernels, attention and
+    CUDA graphs expect plain dense ``nn.Linear`` weights, so ask for them outright."""
+    if "gguf_file" not in extra:
+        return {}
+    try:
+        from transformers import GgufConfig
+    except ImportError:  # older transformers always dequantize
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     """Load weights and tokenizer from a directory, a .gguf file or the default name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -141,7 +154,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         src, extra = str(path), {}
     log.info("loading model %s (%s) on %s", model, str(torch_dtype).removeprefix("torch."), dev)
     tokenizer = AutoTokenizer.from_pretrained(src, **common, **extra)
-    hf_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, **common, **extra)
+    hf_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, **common, **extra, **_dense_gguf(extra))
     hf_model.to(dev).eval()
     hf_model.requires_grad_(False)
     if dev.type == "cpu" and torch_dtype in (torch.float32, torch.bfloat16):
