@@ -16,7 +16,7 @@ import threading
 
 log = logging.getLogger("batchery.engine.kernels")
 
-NAME = "batchery_cpu_kernels_v7"  # bump when the source changes (the build cache is keyed by it)
+NAME = "batchery_cpu_kernels_v8"  # bump when the source changes (the build cache is keyed by it)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -54,46 +54,70 @@ inline const float* block_rows<c10::BFloat16>(const c10::BFloat16* src, float* b
   return buf;
 }
 
+// What both decode kernels share: the arguments as pointers and sizes, and the split of the work
+// into tasks of one sequence and a group of its KV heads (all of them when there are at least 4
+// sequences per thread, so each block, all heads of block_size tokens, is read front to back once).
+template <typename T>
+struct DecodeArgs {
+  int64_t B, H, D, bs, Hkv, G, maxb, groups, hper, window;
+  int64_t tok_stride, blk_stride;  // one token of a block (all its KV heads); one block
+  const T *qp, *kp, *vp;
+  const int64_t *btp, *cp;
+  T* op;
+  float fscale, cap;
+  DecodeArgs(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt,
+             const at::Tensor& ctx, at::Tensor& out, double scale, int64_t window_, double softcap)
+      : B(q.size(0)), H(q.size(1)), D(q.size(2)), bs(kc.size(1)), Hkv(kc.size(2)), G(H / Hkv), maxb(bt.size(1)),
+        groups(B >= 4 * at::get_num_threads() ? 1 : Hkv), hper(Hkv / groups), window(window_),
+        tok_stride(Hkv * D), blk_stride(bs * Hkv * D),
+        qp(q.data_ptr<T>()), kp(kc.data_ptr<T>()), vp(vc.data_ptr<T>()),
+        btp(bt.data_ptr<int64_t>()), cp(ctx.data_ptr<int64_t>()), op(out.data_ptr<T>()),
+        fscale(static_cast<float>(scale)), cap(static_cast<float>(softcap)) {}
+  int64_t num_tasks() const { return B * groups; }
+};
+
+struct DecodeTask {
+  int64_t b, h0, nq, start, len;  // sequence, its first KV head, query heads, first attended token, tokens
+};
+
+// Task idx; false when its sequence attends to nothing (its output rows are zeroed here).
+template <typename T>
+static inline bool decode_task(const DecodeArgs<T>& a, int64_t idx, DecodeTask& t) {
+  t.b = idx / a.groups;
+  t.h0 = (idx % a.groups) * a.hper;
+  t.nq = a.hper * a.G;
+  const int64_t n = a.cp[t.b];
+  t.start = (a.window > 0 && n - a.window > 0) ? n - a.window : 0;
+  t.len = n - t.start;
+  if (t.len > 0) return true;
+  T* dst = a.op + (t.b * a.H + t.h0 * a.G) * a.D;
+  for (int64_t i = 0; i < t.nq * a.D; ++i) dst[i] = static_cast<T>(0.f);
+  return false;
+}
+
 template <typename T, int DT>
-static void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
-                        const at::Tensor& bt, const at::Tensor& ctx, at::Tensor& out,
-                        double scale, int64_t window, double softcap) {
-  const int64_t B = q.size(0), H = q.size(1);
-  const int64_t D = DT > 0 ? DT : q.size(2);
-  const int64_t bs = kc.size(1), Hkv = kc.size(2);
-  const int64_t G = H / Hkv, maxb = bt.size(1);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = kc.data_ptr<T>();
-  const T* vp = vc.data_ptr<T>();
-  const int64_t* btp = bt.data_ptr<int64_t>();
-  const int64_t* cp = ctx.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  const int64_t tok_stride = Hkv * D;  // one token of one block: all its KV heads
-  const int64_t blk_stride = bs * tok_stride;
+static void decode_impl(const DecodeArgs<T>& a) {
+  const int64_t H = a.H, G = a.G, bs = a.bs, maxb = a.maxb;
+  const int64_t D = DT > 0 ? DT : a.D;
+  const T* kp = a.kp;
+  const T* vp = a.vp;
+  const int64_t tok_stride = a.tok_stride, blk_stride = a.blk_stride;
   const int64_t row_bytes = tok_stride * static_cast<int64_t>(sizeof(T));
-  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  const int64_t nthreads = at::get_num_threads();
-  const int64_t groups = B >= 4 * nthreads ? 1 : Hkv;
-  const int64_t hper = Hkv / groups;
-  at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
+  const float cap = a.cap;
+  at::parallel_for(0, a.num_tasks(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), acc(H * D), buf(blk_stride), scores(H * bs), inv(H), mx(H);
+    DecodeTask t;
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / groups, h0 = (idx % groups) * hper;
-      const int64_t hq0 = h0 * G, nq = hper * G;  // this task's query heads
-      const int64_t n = cp[b];
-      const int64_t start = (window > 0 && n - window > 0) ? n - window : 0;
-      const int64_t len = n - start;
-      T* dst = op + (b * H + hq0) * D;
-      if (len <= 0) {
-        for (int64_t i = 0; i < nq * D; ++i) dst[i] = static_cast<T>(0.f);
-        continue;
-      }
-      const T* src = qp + (b * H + hq0) * D;
-      for (int64_t i = 0; i < nq * D; ++i) qf[i] = static_cast<float>(src[i]) * fscale;
+      if (!decode_task(a, idx, t)) continue;
+      const int64_t b = t.b, h0 = t.h0, nq = t.nq, start = t.start, n = t.start + t.len;
+      const int64_t hq0 = h0 * G;  // this task's query heads: hq0 .. hq0 + nq
+      T* dst = a.op + (b * H + hq0) * D;
+      const T* src = a.qp + (b * H + hq0) * D;
+      for (int64_t i = 0; i < nq * D; ++i) qf[i] = static_cast<float>(src[i]) * a.fscale;
       // One pass over the blocks with an online softmax: scores for a block's tokens, then that
       // block's V rows, K and V of the next block prefetched a row at a time meanwhile.
       float* sc = scores.data();
-      const int64_t* table = btp + b * maxb;
+      const int64_t* table = a.btp + b * maxb;
       const int64_t first = start / bs, last = (n - 1) / bs;
       for (int64_t qi = 0; qi < nq; ++qi) {
         mx[qi] = -INFINITY;
@@ -245,26 +269,16 @@ static inline void prefetch_rows(const T* base, const int64_t* rows, int64_t n, 
 }
 
 template <typename T, int D>
-static void decode_avx512(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt,
-                          const at::Tensor& ctx, at::Tensor& out, double scale, int64_t window, double softcap) {
+static void decode_avx512(const DecodeArgs<T>& args) {
   constexpr int NV = D / 16, CH = 16, PF = 32;  // PF: rows are prefetched this many tokens ahead
-  const int64_t B = q.size(0), H = q.size(1);
-  const int64_t bs = kc.size(1), Hkv = kc.size(2);
-  const int64_t G = H / Hkv, maxb = bt.size(1);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = kc.data_ptr<T>();
-  const T* vp = vc.data_ptr<T>();
-  const int64_t* btp = bt.data_ptr<int64_t>();
-  const int64_t* cp = ctx.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  const int64_t tok_stride = Hkv * D, blk_stride = bs * tok_stride;
-  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  const int64_t nthreads = at::get_num_threads();
-  const int64_t groups = B >= 4 * nthreads ? 1 : Hkv;
-  const int64_t hper = Hkv / groups;
-  const int64_t row_bytes = hper * D * static_cast<int64_t>(sizeof(T));
-  at::parallel_for(0, B * groups, 1, [=](int64_t begin, int64_t end) {
-    // everything the inner loops touch is a local, so the vector stores cannot force reloads
+  // locals only in the loops, so the vector stores (which may alias anything) force no reloads
+  const DecodeArgs<T> a = args;
+  const int64_t H = a.H, G = a.G, bs = a.bs, maxb = a.maxb, tok_stride = a.tok_stride, blk_stride = a.blk_stride;
+  const T* kp = a.kp;
+  const T* vp = a.vp;
+  const float cap = a.cap;
+  const int64_t row_bytes = a.hper * D * static_cast<int64_t>(sizeof(T));
+  at::parallel_for(0, a.num_tasks(), 1, [=](int64_t begin, int64_t end) {
     std::vector<float> qbuf(H * D), accbuf(H * D), mxbuf(H), sumbuf(H);
     std::vector<int64_t> rowbuf(maxb * bs);
     float* __restrict qf = qbuf.data();
@@ -273,22 +287,18 @@ static void decode_avx512(const at::Tensor& q, const at::Tensor& kc, const at::T
     float* __restrict sum = sumbuf.data();
     int64_t* __restrict rows = rowbuf.data();
     alignas(64) float pr[CH];
+    DecodeTask t;
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / groups, h0 = (idx % groups) * hper;
-      const int64_t hq0 = h0 * G, nq = hper * G;
-      const int64_t n = cp[b];
-      const int64_t start = (window > 0 && n - window > 0) ? n - window : 0;
-      const int64_t len = n - start;
-      T* dst = op + (b * H + hq0) * D;
-      if (len <= 0) {
-        for (int64_t i = 0; i < nq * D; ++i) dst[i] = static_cast<T>(0.f);
-        continue;
-      }
-      const T* src = qp + (b * H + hq0) * D;
+      if (!decode_task(a, idx, t)) continue;
+      const int64_t b = t.b, h0 = t.h0, nq = t.nq, start = t.start, len = t.len;
+      const int64_t hq0 = h0 * G;
+      T* dst = a.op + (b * H + hq0) * D;
+      const T* src = a.qp + (b * H + hq0) * D;
       for (int64_t qi = 0; qi < nq; ++qi)
-        for (int64_t d = 0; d < D; ++d) qf[qi * D + lane_of(kp, d)] = static_cast<float>(src[qi * D + d]) * fscale;
+        for (int64_t d = 0; d < D; ++d)
+          qf[qi * D + lane_of(kp, d)] = static_cast<float>(src[qi * D + d]) * a.fscale;
       std::fill(acc, acc + nq * D, 0.f);
-      const int64_t* table = btp + b * maxb;
+      const int64_t* table = a.btp + b * maxb;
       for (int64_t p = 0, bi = start / bs, off = start % bs; p < len; ++p) {  // token rows, in order
         rows[p] = table[bi] * blk_stride + off * tok_stride + h0 * D;
         if (++off == bs) off = 0, ++bi;
@@ -369,15 +379,16 @@ static void decode_avx512(const at::Tensor& q, const at::Tensor& kc, const at::T
 template <typename T>
 static void decode_dispatch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt,
                             const at::Tensor& ctx, at::Tensor& out, double scale, int64_t window, double softcap) {
-  switch (q.size(2)) {
+  const DecodeArgs<T> a(q, kc, vc, bt, ctx, out, scale, window, softcap);
+  switch (a.D) {
 #ifdef __AVX512F__
-    case 64: decode_avx512<T, 64>(q, kc, vc, bt, ctx, out, scale, window, softcap); break;
-    case 128: decode_avx512<T, 128>(q, kc, vc, bt, ctx, out, scale, window, softcap); break;
+    case 64: decode_avx512<T, 64>(a); break;
+    case 128: decode_avx512<T, 128>(a); break;
 #else
-    case 64: decode_impl<T, 64>(q, kc, vc, bt, ctx, out, scale, window, softcap); break;
-    case 128: decode_impl<T, 128>(q, kc, vc, bt, ctx, out, scale, window, softcap); break;
+    case 64: decode_impl<T, 64>(a); break;
+    case 128: decode_impl<T, 128>(a); break;
 #endif
-    default: decode_impl<T, 0>(q, kc, vc, bt, ctx, out, scale, window, softcap);
+    default: decode_impl<T, 0>(a);
   }
 }
 
