@@ -225,7 +225,8 @@ def main() -> None:
     def throughput() -> bool:
         prompts, max_tokens = workload(args.requests)
         eng, st = engine_tps(small, prompts, max_tokens, max_num_seqs=512, max_num_batched_tokens=8192)
-        print(f"  engine     {eng:10.1f} generated tok/s (mean batch {st['mean_batch_size']:.0f} seqs)", flush=True)
+        print(f"  engine     {eng:10.1f} generated tok/s (mean batch {st['mean_batch_size']:.0f} seqs, "
+              f"{st['cuda_graph_steps']} of {st['num_steps']} steps from CUDA graphs)", flush=True)
         hf = hf_static_tps(small, prompts, max_tokens)
         print(f"  HF static  {hf:10.1f} generated tok/s (batch 64)")
         print(f"  ratio      {eng / hf:10.2f}x  (target >= 8x)")

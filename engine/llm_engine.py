@@ -245,6 +245,7 @@ class LLMEngine:
             "prefix_cache_query_tokens": bm.num_query_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_oom": self.num_oom,
+            "cuda_graph_steps": self.runner.graphs.num_runs if self.runner.graphs is not None else 0,
             "max_num_seqs": self.scheduler.max_num_seqs,
             "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
             "num_generated_tokens": self.num_generated_tokens,

@@ -3,7 +3,8 @@
 Each step runs the transformers model modules on one packed row holding every scheduled token
 of every sequence, with explicit position ids; our registered attention function writes K/V
 through the slot mapping and attends over block tables. Only the rows that sample a token go
-through the LM head (``logits_to_keep``)."""
+through the LM head (``logits_to_keep``). On CUDA with the Triton backend, decode-only steps are
+replayed from CUDA graphs captured at start-up (``engine.cuda_graphs``)."""
 
 from __future__ import annotations
 
