@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-
-if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, padded_tables
 
 log = logging.getLogger("batchery.engine.graphs")
 
@@ -91,13 +88,12 @@ class DecodeGraphs:
         """One decode step of ``n = len(input_ids) <= max_size`` sequences; returns their [n, vocab] logits."""
         n = len(input_ids)
         bs = next(s for s in self.sizes if s >= n)
-        width = max(len(t) for t in tables)
+        bt = padded_tables(tables, torch.int32)
         self.input_ids[0, :n].copy_(torch.tensor(input_ids, dtype=torch.long))
         self.positions[0, :n].copy_(torch.tensor(positions, dtype=torch.long))
         self.slots[:n].copy_(torch.tensor(slots, dtype=torch.long))
         self.context_lens[:n].copy_(torch.tensor(context_lens, dtype=torch.int32))
-        self.block_tables[:n, :width].copy_(
-            torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32))
+        self.block_tables[:n, : bt.shape[1]].copy_(bt)
         # padding rows: an earlier, larger batch left real slots and lengths there
         self.slots[n:bs].fill_(-1)
         self.context_lens[n:bs].zero_()
