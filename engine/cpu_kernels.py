@@ -16,13 +16,14 @@ import threading
 
 log = logging.getLogger("batchery.engine.kernels")
 
-NAME = "batchery_cpu_kernels_v8"  # bump when the source changes (the build cache is keyed by it)
+NAME = "batchery_cpu_kernels_v9"  # bump when the source changes (the build cache is keyed by it)
 
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
+#include <immintrin.h>
 #include <vector>
 
 // ---- paged decode attention ----------------------------------------------------------------
@@ -190,7 +191,6 @@ static void decode_impl(const DecodeArgs<T>& a) {
 }
 
 #ifdef __AVX512F__
-#include <immintrin.h>
 // ---- paged decode attention, AVX512 (head_dim 64 / 128) ------------------------------------------
 // The same one-pass online softmax, vectorised over 16 tokens at a time: for each query head, the
 // 16 dot products accumulate in 16 vectors and are summed across lanes together (hsum16), the
@@ -264,8 +264,7 @@ static inline __m512 dot_row(const __m512* qv, const T* __restrict k) {
 
 template <typename T>
 static inline void prefetch_rows(const T* base, const int64_t* rows, int64_t n, int64_t bytes) {
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(reinterpret_cast<const char*>(base + rows[j]) + o);
+  for (int64_t j = 0; j < n; ++j) prefetch_block(base + rows[j], bytes);
 }
 
 template <typename T, int D>
@@ -337,10 +336,11 @@ static void decode_avx512(const DecodeArgs<T>& args) {
           if (c == 0) {
             sum[qi] = 0.f;
           } else if (cmax > mx[qi]) {  // a new maximum: rescale what was accumulated so far
-            const __m512 r = _mm512_set1_ps(std::exp(mx[qi] - cmax));
-            sum[qi] *= std::exp(mx[qi] - cmax);
+            const float r = std::exp(mx[qi] - cmax);
+            sum[qi] *= r;
 #pragma GCC unroll 8
-            for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * v), r));
+            for (int v = 0; v < NV; ++v)
+              _mm512_storeu_ps(a + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * v), _mm512_set1_ps(r)));
           } else {
             m = mx[qi];
           }
@@ -412,9 +412,9 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Tensor b
 
 // ---- fp32 linear with a pre-transposed weight -------------------------------------------------
 // A register tile of up to 6 input rows x 64 output columns accumulates over K: each step loads
-// 64 weights from one row of the [K, N] weight and broadcasts one input value per row. On the
-// machines we measured (AMD EPYC, where MKL takes a generic path) this runs at 1.3-2x MKL's sgemm
-// for every batch size from 1 to 256 rows; see engine/fast_linear.py.
+// 64 weights from one row of the [K, N] weight and broadcasts one input value per row. On an AMD
+// EPYC (where MKL takes a generic path) this ran at 1.3-2x MKL's sgemm for 1 to 256 rows; on an
+// Intel Xeon MKL is faster at 64 rows and more. engine/fast_linear.py times both at load.
 
 typedef float vf16 __attribute__((vector_size(64)));
 typedef float vf16u __attribute__((vector_size(64), aligned(4), may_alias));
@@ -509,7 +509,6 @@ at::Tensor linear_t(at::Tensor x, at::Tensor wt, c10::optional<at::Tensor> bias)
 // ---- bf16 linear (AVX512-BF16) -----------------------------------------------------------------
 // On CPUs with AVX512-BF16 and a compiler that targets it (-march=native); elsewhere
 // has_bf16_linear() is false and torch (oneDNN) keeps every bf16 linear.
-#include <immintrin.h>
 
 #ifdef __AVX512BF16__
 // y[i, n] = sum_k x[i, k] w[n, k]; wp is the weight packed as uint32 [K/2, N]: (w[n][2k], w[n][2k+1]).
