@@ -144,7 +144,7 @@ def check_graphs(loaded, n=37) -> bool:
     step = eng.scheduler.schedule()  # the next step: one decode token for each sequence
     assert len(step.seqs) == n and set(step.num_new_tokens) == {1}, step.num_new_tokens
     p = runner.pack(step.seqs, step.num_new_tokens)
-    got = runner.graphs.run(p.input_ids, p.positions, p.slots, p.decode_tables, p.decode_lens).float().clone()
+    got = runner.graphs.run(p).float().clone()
     ids, pos, keep, md, _ = runner.prepare(p)
     ref = runner.forward(ids, pos, keep, md).float()
     err = ((got - ref).abs().max() / ref.abs().max()).item()

@@ -24,7 +24,7 @@ import time
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.model_runner import ModelRunner, padded_tables
+from engine.model_runner import ModelRunner, PackedStep, padded_tables
 
 log = logging.getLogger("batchery.engine.graphs")
 
@@ -43,11 +43,11 @@ class DecodeGraphs:
         self.max_size = self.sizes[-1]
         dev = runner.device
         n = self.max_size
-        self.width = -(-runner.max_model_len // runner.block_size)
+        width = -(-runner.max_model_len // runner.block_size)  # a full-length sequence's blocks
         self.input_ids = torch.zeros(1, n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(1, n, dtype=torch.long, device=dev)
         self.slots = torch.full((n,), -1, dtype=torch.long, device=dev)
-        self.block_tables = torch.zeros(n, self.width, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=dev)
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_runs = 0  # decode steps run through the static buffers
@@ -83,16 +83,15 @@ class DecodeGraphs:
         log.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s", len(self.graphs),
                  self.sizes[0], self.max_size, time.perf_counter() - t0)
 
-    def run(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            context_lens: list[int]) -> torch.Tensor:
-        """One decode step of ``n = len(input_ids) <= max_size`` sequences; returns their [n, vocab] logits."""
-        n = len(input_ids)
+    def run(self, p: PackedStep) -> torch.Tensor:
+        """One decode-only step of ``n <= max_size`` sequences; returns their [n, vocab] logits."""
+        n = len(p.input_ids)
         bs = next(s for s in self.sizes if s >= n)
-        bt = padded_tables(tables, torch.int32)
-        self.input_ids[0, :n].copy_(torch.tensor(input_ids, dtype=torch.long))
-        self.positions[0, :n].copy_(torch.tensor(positions, dtype=torch.long))
-        self.slots[:n].copy_(torch.tensor(slots, dtype=torch.long))
-        self.context_lens[:n].copy_(torch.tensor(context_lens, dtype=torch.int32))
+        bt = padded_tables(p.decode_tables, torch.int32)
+        self.input_ids[0, :n].copy_(torch.tensor(p.input_ids, dtype=torch.long))
+        self.positions[0, :n].copy_(torch.tensor(p.positions, dtype=torch.long))
+        self.slots[:n].copy_(torch.tensor(p.slots, dtype=torch.long))
+        self.context_lens[:n].copy_(torch.tensor(p.decode_lens, dtype=torch.int32))
         self.block_tables[:n, : bt.shape[1]].copy_(bt)
         # padding rows: an earlier, larger batch left real slots and lengths there
         self.slots[n:bs].fill_(-1)

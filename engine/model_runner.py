@@ -213,7 +213,7 @@ class ModelRunner:
         """One engine step on the device. Returns (sampled seqs, token ids, logprob entries)."""
         p = self.pack(seqs, num_new_tokens)
         if self.graphs is not None and not p.prefills and len(p.decode_lens) <= self.graphs.max_size:
-            logits = self.graphs.run(p.input_ids, p.positions, p.slots, p.decode_tables, p.decode_lens)
+            logits = self.graphs.run(p)
             sample_seqs = p.sample_seqs
         else:
             ids, pos, keep, md, sample_seqs = self.prepare(p)
