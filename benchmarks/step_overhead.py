@@ -20,10 +20,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.loader import LoadedModel  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from batchery.engine.config import EngineConfig  # noqa: E402
+from batchery.engine.llm_engine import LLMEngine  # noqa: E402
+from batchery.engine.loader import LoadedModel  # noqa: E402
+from batchery.engine.sampling import SamplingParams  # noqa: E402
 
 
 def main() -> None:

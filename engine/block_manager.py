@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from engine.sequence import Sequence
+from batchery.engine.sequence import Sequence
 
 
 def hash_block(parent_hash: int | None, token_ids: list[int] | tuple[int, ...]) -> int:

@@ -22,7 +22,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV pool; None -> a default budget
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "triton"
-    cuda_graphs: bool = True  # replay decode steps from CUDA graphs (CUDA + Triton only; see engine.cuda_graphs)
+    cuda_graphs: bool = True  # replay decode steps from CUDA graphs (CUDA + Triton only; see batchery.engine.cuda_graphs)
     trust_remote_code: bool = False
     seed: int = 0
 

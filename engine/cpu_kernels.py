@@ -1,9 +1,9 @@
 """The CPU kernels, in C++, built once on first use with torch's cpp_extension and cached.
 
 - ``paged_decode``: decode attention read straight from the paged KV pool
-  (used by ``engine.attention.cpu_paged``);
+  (used by ``batchery.engine.attention.cpu_paged``);
 - ``linear_t``: an fp32 linear over a pre-transposed weight, and ``linear_bf16`` (with
-  ``pack_bf16``): a bf16 linear for CPUs with AVX512-BF16 (both used by ``engine.fast_linear``).
+  ``pack_bf16``): a bf16 linear for CPUs with AVX512-BF16 (both used by ``batchery.engine.fast_linear``).
 
 If the build fails (no compiler, no ninja) every caller falls back to torch; set
 ``BATCHERY_CPU_KERNELS=0`` to skip the build and use torch everywhere."""

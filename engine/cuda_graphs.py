@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
-from engine.model_runner import ModelRunner, PackedStep, padded_tables
+from batchery.engine.attention.metadata import AttentionMetadata
+from batchery.engine.model_runner import ModelRunner, PackedStep, padded_tables
 
 log = logging.getLogger("batchery.engine.graphs")
 

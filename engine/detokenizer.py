@@ -5,7 +5,7 @@ other request is decoded once, when it finishes, keeping detokenization off the 
 
 from __future__ import annotations
 
-from engine.sequence import Sequence
+from batchery.engine.sequence import Sequence
 
 
 def _decode(tokenizer, ids: list[int]) -> str:

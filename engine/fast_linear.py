@@ -1,4 +1,4 @@
-"""Linear layers on the CPU through our C++ kernels (``engine.cpu_kernels``).
+"""Linear layers on the CPU through our C++ kernels (``batchery.engine.cpu_kernels``).
 
 torch's CPU matmuls go to MKL (fp32) and oneDNN (bf16). On the machines we measured (AMD EPYC) MKL's
 sgemm takes a generic, slow path, and both libraries leave memory bandwidth unused at the small row
@@ -26,7 +26,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels
+from batchery.engine import cpu_kernels
 
 log = logging.getLogger("batchery.engine.kernels")
 

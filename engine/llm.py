@@ -1,7 +1,7 @@
 """Offline API, vLLM-style::
 
-    from engine.llm import LLM
-    from engine.sampling import SamplingParams
+    from batchery.engine.llm import LLM
+    from batchery.engine.sampling import SamplingParams
     llm = LLM(model="smollm2-135m-instruct", dtype="float32")
     outs = llm.generate(["Once upon a time"], SamplingParams(max_tokens=32))
     outs = llm.chat([[{"role": "user", "content": "Hi"}]], [SamplingParams(temperature=0, max_tokens=32)])
@@ -12,10 +12,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 
-from engine.config import DEFAULT_MODEL, EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingParams
-from engine.sequence import RequestOutput
+from batchery.engine.config import DEFAULT_MODEL, EngineConfig
+from batchery.engine.llm_engine import LLMEngine
+from batchery.engine.sampling import SamplingParams
+from batchery.engine.sequence import RequestOutput
 
 
 class LLM:

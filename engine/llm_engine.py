@@ -8,14 +8,14 @@ from collections.abc import Callable
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.detokenizer import append_text, final_text, find_stop
-from engine.loader import LoadedModel, load_model
-from engine.model_runner import ModelRunner
-from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import RequestOutput, Sequence, SequenceStatus
+from batchery.engine.block_manager import BlockManager
+from batchery.engine.config import EngineConfig
+from batchery.engine.detokenizer import append_text, final_text, find_stop
+from batchery.engine.loader import LoadedModel, load_model
+from batchery.engine.model_runner import ModelRunner
+from batchery.engine.sampling import SamplingParams
+from batchery.engine.scheduler import Scheduler
+from batchery.engine.sequence import RequestOutput, Sequence, SequenceStatus
 
 log = logging.getLogger("batchery.engine")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
+from batchery.engine.config import EngineConfig
 
 log = logging.getLogger("batchery.engine.loader")
 
@@ -158,7 +158,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     hf_model.to(dev).eval()
     hf_model.requires_grad_(False)
     if dev.type == "cpu" and torch_dtype in (torch.float32, torch.bfloat16):
-        from engine import fast_linear
+        from batchery.engine import fast_linear
 
         fast_linear.install(hf_model)
     return LoadedModel(hf_model, tokenizer, hf_model.config, torch_dtype, dev, model)

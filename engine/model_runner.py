@@ -4,7 +4,7 @@ Each step runs the transformers model modules on one packed row holding every sc
 of every sequence, with explicit position ids; our registered attention function writes K/V
 through the slot mapping and attends over block tables. Only the rows that sample a token go
 through the LM head (``logits_to_keep``). On CUDA with the Triton backend, decode-only steps are
-replayed from CUDA graphs captured at start-up (``engine.cuda_graphs``)."""
+replayed from CUDA graphs captured at start-up (``batchery.engine.cuda_graphs``)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.attention.backend import ATTN_IMPLEMENTATION, register
-from engine.attention.metadata import AttentionMetadata, PrefillSeq, set_metadata
-from engine.config import EngineConfig
-from engine.loader import LoadedModel
-from engine.sampler import Sampler
-from engine.sequence import Sequence
+from batchery.engine.attention.backend import ATTN_IMPLEMENTATION, register
+from batchery.engine.attention.metadata import AttentionMetadata, PrefillSeq, set_metadata
+from batchery.engine.config import EngineConfig
+from batchery.engine.loader import LoadedModel
+from batchery.engine.sampler import Sampler
+from batchery.engine.sequence import Sequence
 
 log = logging.getLogger("batchery.engine.runner")
 
@@ -88,11 +88,11 @@ class ModelRunner:
         self.graphs = self._capture_graphs()
 
     def _capture_graphs(self):
-        """Decode CUDA graphs (``engine.cuda_graphs``) on CUDA with the Triton backend; None elsewhere,
+        """Decode CUDA graphs (``batchery.engine.cuda_graphs``) on CUDA with the Triton backend; None elsewhere,
         when turned off, or when capture fails (then every step runs eagerly)."""
         if not self.config.cuda_graphs or self.device.type != "cuda" or self.backend != "triton":
             return None
-        from engine.cuda_graphs import DecodeGraphs
+        from batchery.engine.cuda_graphs import DecodeGraphs
 
         try:
             return DecodeGraphs(self)
@@ -128,7 +128,7 @@ class ModelRunner:
         if want == "torch":
             return "torch"
         if want in ("auto", "cpu") and self.device.type == "cpu":
-            from engine.attention import cpu_paged
+            from batchery.engine.attention import cpu_paged
 
             if cpu_paged.supports_dtype(self.dtype) and cpu_paged.load() is not None:
                 return "cpu"
@@ -140,7 +140,7 @@ class ModelRunner:
         try:
             import triton  # noqa: F401
 
-            from engine.attention import triton_backend  # noqa: F401
+            from batchery.engine.attention import triton_backend  # noqa: F401
         except Exception as e:  # the engine must still run where Triton is missing
             if want == "triton":
                 raise RuntimeError(f"attention_backend='triton' but Triton is unavailable: {e}") from e
@@ -187,7 +187,7 @@ class ModelRunner:
             md.decode_block_tables = padded_tables(p.decode_tables).to(dev)
             md.decode_context_lens = torch.tensor(p.decode_lens, dtype=torch.long, device=dev)
         if self.backend == "triton":
-            from engine.attention import triton_backend
+            from batchery.engine.attention import triton_backend
 
             triton_backend.add_metadata(md, [(n, ctx, table) for _, n, ctx, table, _ in p.prefills], dev)
         else:

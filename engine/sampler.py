@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sequence import Sequence
+from batchery.engine.sequence import Sequence
 
 
 class Sampler:

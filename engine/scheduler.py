@@ -7,8 +7,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from batchery.engine.block_manager import BlockManager
+from batchery.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

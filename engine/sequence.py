@@ -8,7 +8,7 @@ import enum
 import time
 from dataclasses import dataclass
 
-from engine.sampling import SamplingParams
+from batchery.engine.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -1,6 +1,6 @@
 """The Celery task functions. Thin, like web views: validate, submit, wait, shape.
 
-They are registered by ``worker.app.make_app`` as ``batchery.chat_completion`` and
+They are registered by ``batchery.worker.app.make_app`` as ``batchery.chat_completion`` and
 ``batchery.completion``. At run time they find the process's engine service and settings on the
 app (``app.batchery_service``, ``app.batchery_settings``), set by the worker entry point.
 
@@ -9,7 +9,7 @@ Error policy:
 - the deadline passes -> the request is aborted in the engine -> ``DeadlineExceeded``, not retried;
 - ``EngineFailure`` -> retried with exponential backoff and jitter, up to ``max_retries``, on any
   worker of the queue; one that was in the failing step is a strike, and a request with
-  ``BATCHERY_QUARANTINE__AFTER`` strikes runs alone (``tasks.quarantine``);
+  ``BATCHERY_QUARANTINE__AFTER`` strikes runs alone (``batchery.tasks.quarantine``);
 - ``EngineCrash`` (it failed alone too: poison) -> fails for good, not retried;
 - this worker cannot serve (``EngineUnavailable``: warm shutdown, or its engine is given up
   on) -> the message goes back to the queue untouched (``Reject(requeue=True)``)."""
@@ -24,8 +24,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from celery.exceptions import Reject
 from pydantic import BaseModel, ValidationError
 
-from tasks import quarantine
-from tasks.schemas import (
+from batchery.tasks import quarantine
+from batchery.contract.schemas import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
@@ -42,9 +42,9 @@ from tasks.schemas import (
     Usage,
     describe_validation_error,
 )
-from worker.engine_service import GenerationRequest, GenerationResult
-from worker.errors import DeadlineExceeded, EngineFailure, EngineUnavailable, InvalidRequest, RequestCancelled
-from worker.metrics import note_result
+from batchery.worker.engine_service import GenerationRequest, GenerationResult
+from batchery.contract.errors import DeadlineExceeded, EngineFailure, EngineUnavailable, InvalidRequest, RequestCancelled
+from batchery.worker.metrics import note_result
 
 CHAT_TASK = "batchery.chat_completion"
 COMPLETION_TASK = "batchery.completion"

@@ -1,7 +1,7 @@
 """Poison-request quarantine, the task side: strikes per task, kept in Redis.
 
 When an engine step fails, the engine service fails only the requests that were in that step,
-with an ``EngineFailure`` marked ``struck`` (see ``worker.engine_service``). Each such failure is
+with an ``EngineFailure`` marked ``struck`` (see ``batchery.worker.engine_service``). Each such failure is
 a strike against the task. The task id is stable across Celery retries and redeliveries
 (``{job}-{line}`` for a batch line), so the count lives in the result backend's Redis under
 ``{BATCHERY_QUARANTINE__KEY_PREFIX}:{task_id}`` and survives a retry that lands on another worker.
@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import threading
 
-from worker.metrics import record_quarantined
+from batchery.worker.metrics import record_quarantined
 
 log = logging.getLogger("batchery.quarantine")
 
@@ -60,7 +60,7 @@ def strikes(app) -> Strikes:
         with _lock:
             store = getattr(app, "batchery_strikes", None)
             if store is None:
-                from tasks.jobs import redis_from_url
+                from batchery.jobs.store import redis_from_url
 
                 s = app.batchery_settings
                 ttl = max(3600, int(s.visibility_timeout or 0) * 2)

@@ -2,7 +2,7 @@
 
 Tests use their own Redis databases (broker db 13, results db 14 unless BATCHERY_TEST_BROKER_URL /
 BATCHERY_TEST_RESULT_BACKEND say otherwise) and unique queue names, and delete only keys they
-created. Worker processes are spawned as ``python -m tasks.cli worker`` with BATCHERY_* variables;
+created. Worker processes are spawned as ``python -m batchery worker`` with BATCHERY_* variables;
 waits are on conditions with timeouts, never blind sleeps."""
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class WorkerProcess:
 
     def start(self) -> WorkerProcess:
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tasks.cli", "worker"], cwd=REPO, env=self.env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "batchery", "worker"], cwd=REPO, env=self.env,
                                      stdout=self._log, stderr=subprocess.STDOUT)
         return self
 
@@ -214,8 +214,8 @@ class WorkerFactory:
         return w.wait_ready() if ready else w
 
     def client(self, queue: str):
-        from tasks.client import Client
-        from worker.settings import Settings
+        from batchery.client import Client
+        from batchery.contract.settings import Settings
 
         return Client(settings=Settings(broker_url=self.broker, result_backend=self.backend, queue=queue,
                                         result_expires=600, max_task_timeout=60, task_timeout=60,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.backend import ATTN_IMPLEMENTATION
-from engine.loader import LoadedModel
+from batchery.engine.attention.backend import ATTN_IMPLEMENTATION
+from batchery.engine.loader import LoadedModel
 
 CHAT_PROMPTS = [
     "What is the capital of France?",

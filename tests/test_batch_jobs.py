@@ -1,4 +1,4 @@
-"""Batch-job state in a real Redis (tasks.jobs) and the streaming submitter (tasks.submit), without
+"""Batch-job state in a real Redis (batchery.jobs.store) and the streaming submitter (batchery.jobs.submit), without
 a worker: idempotent writes (acceptance 2), status transitions, cancel leases, repairs, chunked
 submission with validation, job-level failures, and the bulk-published Celery messages.
 
@@ -16,11 +16,11 @@ import uuid
 import pytest
 
 from conftest import TEST_BROKER_URL, TEST_RESULT_BACKEND, drop_queue_keys, redis_client
-from tasks import batch
-from tasks.client import Client
-from tasks.jobs import JobNotFound, JobStore
-from tasks.publish import MessageBuilder
-from worker.settings import Settings
+from batchery.contract import batch
+from batchery.client import Client
+from batchery.jobs.store import JobNotFound, JobStore
+from batchery.broker.publish import MessageBuilder
+from batchery.contract.settings import Settings
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
@@ -270,7 +270,7 @@ def test_job_level_failures(client, tmp_path):
 
 
 def test_line_counting_for_the_limit(tmp_path):
-    from tasks.submit import exceeds_max_lines
+    from batchery.jobs.submit import exceeds_max_lines
 
     path = tmp_path / "f.jsonl"
     path.write_bytes(b"a\n\n  \n" + b"x" * 200_000 + b"\nb\n\n")  # 3 non-blank lines, one of them long
@@ -285,7 +285,7 @@ def test_line_counting_for_the_limit(tmp_path):
     (dict(metadata={"k": "v" * 600}), "metadata"),
 ])
 def test_bad_job_options_are_refused_before_anything_is_created(client, bad, needle):
-    from worker.errors import InvalidRequest
+    from batchery.contract.errors import InvalidRequest
 
     with pytest.raises(InvalidRequest, match=needle):
         client.submit_batch([req("a")], **bad)
@@ -293,7 +293,7 @@ def test_bad_job_options_are_refused_before_anything_is_created(client, bad, nee
 
 
 def test_an_interrupted_submission_fails_the_job(client):
-    from tasks.submit import make_submitter
+    from batchery.jobs.submit import make_submitter
 
     sub = make_submitter(client)
     sub.chunk_size = 1
@@ -312,7 +312,7 @@ def test_an_interrupted_submission_fails_the_job(client):
 
 
 def test_a_cancel_during_submission_stops_reading(client):
-    from tasks.submit import make_submitter
+    from batchery.jobs.submit import make_submitter
 
     sub = make_submitter(client)
     sub.chunk_size = 2

@@ -1,4 +1,4 @@
-"""The batch line parser (tasks.batch): every kind of bad line gets its code and line number, the
+"""The batch line parser (batchery.contract.batch): every kind of bad line gets its code and line number, the
 reader streams oversized lines without holding them, and (acceptance 5) a hypothesis fuzz: no input
 crashes the parser, and every input becomes a request, an error record, or nothing (blank)."""
 
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tasks import batch
-from tasks.batch import BatchLine, LineError, error_record, line_error_record, output_record, parse_line, parse_stream
+from batchery.contract import batch
+from batchery.contract.batch import BatchLine, LineError, error_record, line_error_record, output_record, parse_line, parse_stream
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 CODES = {batch.INVALID_JSON, batch.INVALID_LINE, batch.MISSING_CUSTOM_ID, batch.DUPLICATE_CUSTOM_ID,

@@ -18,10 +18,10 @@ import time
 import pytest
 
 from conftest import REPO, TEST_BROKER_URL, redis_client, wait_for
-from tasks.cli import BATCH_COMMANDS, COMMANDS, build_parser
-from tasks.progress import Progress
-from tasks.publish import MessageBuilder
-from tasks.schemas import BatchJob, ChatCompletion, Completion
+from batchery.cli import BATCH_COMMANDS, COMMANDS, build_parser
+from batchery.progress import Progress
+from batchery.broker.publish import MessageBuilder
+from batchery.contract.schemas import BatchJob, ChatCompletion, Completion
 
 HI = [{"role": "user", "content": "hello world"}]
 
@@ -188,7 +188,7 @@ def test_cancel_mid_job(workers):
 
 # -- the CLI ---------------------------------------------------------------------------------------------------
 def cli(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tasks.cli", *args], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "batchery", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 

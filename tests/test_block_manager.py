@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.block_manager import BlockManager, hash_block
-from engine.sampling import SamplingParams
-from engine.sequence import Sequence
+from batchery.engine.block_manager import BlockManager, hash_block
+from batchery.engine.sampling import SamplingParams
+from batchery.engine.sequence import Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 BS = 4  # block size used throughout
@@ -72,7 +72,7 @@ def probe_hits(bm: BlockManager, tokens) -> int:
 
 
 def test_pure_python_modules_do_not_import_torch():
-    code = ("import sys, engine.scheduler, engine.block_manager, engine.sequence, engine.sampling; "
+    code = ("import sys, batchery.engine.scheduler, batchery.engine.block_manager, batchery.engine.sequence, batchery.engine.sampling; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -95,7 +95,7 @@ def _raw_message(app, task: str, queue: str, task_id: str, body_json: str) -> st
     import base64
     import json
 
-    from tasks.publish import MessageBuilder
+    from batchery.broker.publish import MessageBuilder
 
     msg = json.loads(MessageBuilder(app, task, queue).build(task_id, {}))
     msg["body"] = base64.b64encode(body_json.encode()).decode()
@@ -107,8 +107,8 @@ def test_hostile_messages_do_not_take_the_worker_down(tiny_worker, tiny_client):
     import uuid
 
     from conftest import wait_for
-    from tasks.batch_tasks import BATCH_LINE_TASK
-    from tasks.chat import CHAT_TASK
+    from batchery.tasks.batch_line import BATCH_LINE_TASK
+    from batchery.tasks.chat import CHAT_TASK
 
     app, q, store = tiny_client.app, tiny_worker.queue, tiny_client.jobs
     job = f"batch_hostile{uuid.uuid4().hex[:8]}"
@@ -151,7 +151,7 @@ def test_hostile_messages_do_not_take_the_worker_down(tiny_worker, tiny_client):
 def test_poison_chat_request_reaches_the_client_as_engine_crash(workers):
     """The same quarantine for single chat tasks: the poison one raises ``EngineCrash`` (not
     retried further), the others complete, the worker stays up."""
-    from worker.errors import EngineCrash
+    from batchery.contract.errors import EngineCrash
 
     w = workers.spawn(BATCHERY_FAULTS=f"poison:{chaos.POISON}")
     client = workers.client(w.queue)

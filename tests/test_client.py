@@ -11,14 +11,14 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from conftest import REPO, redis_client
-from tasks.client import Client, InvalidRequest, ResultTimeout, TaskExpired
-from tasks.schemas import ChatCompletion
+from batchery.client import Client, InvalidRequest, ResultTimeout, TaskExpired
+from batchery.contract.schemas import ChatCompletion
 
 HI = [{"role": "user", "content": "hello world"}]
 
 
 def test_client_module_is_light():
-    code = ("import sys, tasks.client; heavy = [m for m in ('torch', 'transformers', 'engine.llm_engine') "
+    code = ("import sys, batchery.client; heavy = [m for m in ('torch', 'transformers', 'batchery.engine.llm_engine') "
             "if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from worker.settings import Settings, env_variables
+from batchery.contract.settings import Settings, env_variables
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import cpu_paged, torch_backend
-from engine.attention.metadata import AttentionMetadata
+from batchery.engine.attention import cpu_paged, torch_backend
+from batchery.engine.attention.metadata import AttentionMetadata
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -67,8 +67,8 @@ def test_cpu_decode_many_sequences(dtype, tol, head_dim, window, softcap):
 
 
 def test_engine_picks_the_cpu_kernel_on_cpu(tiny_model_dir):
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from batchery.engine.config import EngineConfig
+    from batchery.engine.llm_engine import LLMEngine
 
     eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32"))
     assert eng.runner.backend == "cpu"
@@ -80,7 +80,7 @@ def test_engine_picks_the_cpu_kernel_on_cpu(tiny_model_dir):
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 131])
 @pytest.mark.parametrize("out_features,bias", [(16, False), (48, True), (200 * 16 + 32, True)])
 def test_fast_linear_matches_torch(rows, out_features, bias):
-    from engine import fast_linear
+    from batchery.engine import fast_linear
 
     torch.manual_seed(rows)
     lin = torch.nn.Linear(96, out_features, bias=bias)
@@ -96,7 +96,7 @@ def test_fast_linear_matches_torch(rows, out_features, bias):
 
 
 def test_fast_linear_skips_what_it_cannot_run_and_unties_embeddings():
-    from engine import fast_linear
+    from batchery.engine import fast_linear
 
     emb = torch.nn.Embedding(64, 32)
     head = torch.nn.Linear(32, 64, bias=False)
@@ -115,7 +115,7 @@ def test_fast_linear_skips_what_it_cannot_run_and_unties_embeddings():
 
 
 def test_fast_linear_row_limit_routes_larger_inputs_to_torch():
-    from engine import fast_linear
+    from batchery.engine import fast_linear
 
     lin = torch.nn.Linear(32, 32)
     x_small, x_big = torch.randn(4, 32), torch.randn(9, 32)
@@ -130,7 +130,7 @@ def test_fast_linear_row_limit_routes_larger_inputs_to_torch():
 @pytest.mark.parametrize("rows", [1, 6, 13, 70])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fast_linear_bf16_matches_torch(rows, bias):
-    from engine import fast_linear
+    from batchery.engine import fast_linear
 
     if not cpu_paged.load().has_bf16_linear():
         pytest.skip("this CPU (or compiler) has no AVX512-BF16: bf16 linears stay on torch")

@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.loader import load_model
-from engine.sampling import SamplingParams
+from batchery.engine.config import EngineConfig
+from batchery.engine.llm_engine import LLMEngine
+from batchery.engine.loader import load_model
+from batchery.engine.sampling import SamplingParams
 from engine_util import hf_greedy
 from tiny_model import build_tokenizer
 

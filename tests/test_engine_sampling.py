@@ -13,11 +13,11 @@ import math
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.loader import load_model
-from engine.sampling import MAX_LOGPROBS, SamplingParams
+from batchery.engine.config import EngineConfig
+from batchery.engine.llm import LLM
+from batchery.engine.llm_engine import LLMEngine
+from batchery.engine.loader import load_model
+from batchery.engine.sampling import MAX_LOGPROBS, SamplingParams
 
 TEXTS = [
     "hello world the cat",
@@ -386,12 +386,12 @@ def test_all_blocks_return_after_many_requests(engine, prompts):
     system = {"role": "system", "content": "you are a good model . write a long answer to each question "
                                            "about the city , the sea and the sky please"}
     chats = [engine.encode_chat([system, {"role": "user", "content": t}]) for t in TEXTS * 3]
-    assert all(len(c) > 2 * engine.config.block_size for c in chats)
+    assert all(len(c) > 2 * batchery.engine.config.block_size for c in chats)
     params = [greedy(max_tokens=3 + i % 5) if i % 2 else sample(max_tokens=2 + i % 7, seed=i) for i in range(len(chats))]
     generate(engine, chats[:1], params[:1])  # warms the prefix cache with the system prompt
     outs = generate(engine, chats, params)  # generate() asserts the pool is full again
     assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
-    assert all(o.num_cached_tokens >= engine.config.block_size for o in outs)  # the shared system prompt
+    assert all(o.num_cached_tokens >= batchery.engine.config.block_size for o in outs)  # the shared system prompt
 
 
 # -- validation --------------------------------------------------------------------------------

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.loader import load_model
-from engine.sampling import SamplingParams
+from batchery.engine.config import EngineConfig
+from batchery.engine.llm_engine import LLMEngine
+from batchery.engine.loader import load_model
+from batchery.engine.sampling import SamplingParams
 from engine_util import CHAT_PROMPTS, hf_greedy
 
 pytestmark = pytest.mark.slow

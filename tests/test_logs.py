@@ -14,7 +14,7 @@ import re
 import pytest
 from celery import Celery
 
-from worker.logs import configure_logging, log_context, make_handler, mask_secrets
+from batchery.worker.logs import configure_logging, log_context, make_handler, mask_secrets
 
 SECRET = "s3cr3t-Pa55"
 

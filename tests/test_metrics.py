@@ -18,10 +18,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import TEST_BROKER_URL, redis_client, wait_for
-from tasks.batch_tasks import BATCH_LINE_TASK
-from tasks.chat import CHAT_TASK, COMPLETION_TASK
-from worker.errors import DeadlineExceeded, EngineFailure, InvalidRequest
-from worker.metrics import METRICS, FixedHistogram, QueueDepth, StepStats, outcome_of
+from batchery.tasks.batch_line import BATCH_LINE_TASK
+from batchery.tasks.chat import CHAT_TASK, COMPLETION_TASK
+from batchery.contract.errors import DeadlineExceeded, EngineFailure, InvalidRequest
+from batchery.worker.metrics import METRICS, FixedHistogram, QueueDepth, StepStats, outcome_of
 
 SYSTEM = " ".join(["you are a good model that can write a long story about the cat and the dog by the sea"] * 3)
 
@@ -247,9 +247,9 @@ def test_outcome_labels(state, retval, outcome):
 
 
 def test_quarantine_counter_is_exposed():
-    from worker import metrics
-    from worker.engine_service import EngineService
-    from worker.settings import Settings
+    from batchery.worker import metrics
+    from batchery.worker.engine_service import EngineService
+    from batchery.contract.settings import Settings
 
     m = metrics.WorkerMetrics(EngineService(None), Settings(broker_url="memory://"), task_names=[CHAT_TASK])
     before = Scrape(m.render())["batchery_quarantined_requests_total"]

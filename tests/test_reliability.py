@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from conftest import wait_for
-from engine.config import EngineConfig
-from engine.llm_engine import OOM_MIN_TOKENS, LLMEngine
-from engine.sampling import SamplingParams
-from worker.engine_service import EngineService, GenerationRequest
-from worker.errors import EngineCrash, EngineFailure, InvalidRequest
-from worker.faults import OutOfMemory, Poison, StepRaiseEvery, parse_faults
+from batchery.engine.config import EngineConfig
+from batchery.engine.llm_engine import OOM_MIN_TOKENS, LLMEngine
+from batchery.engine.sampling import SamplingParams
+from batchery.worker.engine_service import EngineService, GenerationRequest
+from batchery.contract.errors import EngineCrash, EngineFailure, InvalidRequest
+from batchery.worker.faults import OutOfMemory, Poison, StepRaiseEvery, parse_faults
 
 POISON = "XYZZY"
 
@@ -100,13 +100,13 @@ def test_oom_shrinks_the_step_and_changes_no_output(tiny_model_dir):
     def hook(seqs):
         calls[0] += 1
         if calls[0] in (2, 3, 9):
-            limits.append((len(seqs), engine.scheduler.max_num_seqs))
+            limits.append((len(seqs), batchery.engine.scheduler.max_num_seqs))
             raise torch.OutOfMemoryError(f"injected at call {calls[0]}")
 
     engine.on_step_start = hook
     shrunk = generate(engine, prompts, params)
     assert shrunk == clean
-    assert engine.num_oom == 3 and engine.scheduler.num_preemptions > 0
+    assert engine.num_oom == 3 and batchery.engine.scheduler.num_preemptions > 0
     assert limits[0] == (16, 16) and limits[1][1] == 8  # the second OOM met the halved limit
     st = engine.stats()
     assert st["max_num_seqs"] < 16 and st["kv_blocks_free"] == st["kv_blocks_total"]
@@ -210,7 +210,7 @@ def test_hostile_request_fields_are_refused_without_hurting_the_engine(make_serv
 
 
 def test_schema_caps_prompt_and_max_tokens():
-    from tasks.schemas import MAX_TEXT_CHARS, MAX_TOKENS_LIMIT, ChatCompletionRequest, CompletionRequest
+    from batchery.contract.schemas import MAX_TEXT_CHARS, MAX_TOKENS_LIMIT, ChatCompletionRequest, CompletionRequest
 
     with pytest.raises(ValueError, match="max_tokens"):
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
@@ -230,9 +230,9 @@ def test_lines_whose_messages_were_lost_are_found_and_queued_again(redis_urls):
     import uuid
 
     from conftest import TEST_BROKER_URL, TEST_RESULT_BACKEND, drop_queue_keys, redis_client
-    from tasks.client import Client
-    from tasks.recover import find_lost
-    from worker.settings import Settings
+    from batchery.client import Client
+    from batchery.jobs.recover import find_lost
+    from batchery.contract.settings import Settings
 
     queue = f"batchery-test-{uuid.uuid4().hex[:10]}"
     c = Client(settings=Settings(broker_url=TEST_BROKER_URL, result_backend=TEST_RESULT_BACKEND, queue=queue,
@@ -277,8 +277,8 @@ def test_an_engine_that_fails_all_real_work_is_given_up_not_blamed_on_requests(m
     After a few such verdicts with no successful step in between, the service gives up (the
     worker exits non-zero and the rest of the work goes back to the queue) instead of calling
     every request poison."""
-    from worker.engine_service import POISON_BREAKER
-    from worker.errors import EngineUnavailable
+    from batchery.worker.engine_service import POISON_BREAKER
+    from batchery.contract.errors import EngineUnavailable
 
     reasons = []
     s = make_service("step_raise_every:1", on_fatal=reasons.append)

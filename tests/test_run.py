@@ -110,7 +110,7 @@ def run_env(**extra) -> tuple[dict[str, str], str]:
 def start_run(args: list[str], env: dict[str, str], stderr_path: Path) -> subprocess.Popen:
     with open(stderr_path, "wb") as err:
         # its own process group, like a shell job: a terminal's Ctrl-C signals the whole group
-        return subprocess.Popen([sys.executable, "-m", "tasks.cli", "run", *args], cwd=REPO, env=env,
+        return subprocess.Popen([sys.executable, "-m", "batchery", "run", *args], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, stderr=err, start_new_session=True)
 
 
@@ -126,7 +126,7 @@ def test_run_against_a_cluster_writes_results_and_exits_0(session_workers, tiny_
     src.write_text("\n".join(lines) + "\n")
     env = session_workers.env(tiny_worker.queue, BATCHERY_BATCH__MAX_LINE_BYTES=65536)
     out, err = tmp_path / "out" / "results.jsonl", tmp_path / "errors.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "tasks.cli", "run", str(src), "-o", str(out), "--errors", str(err),
+    proc = subprocess.run([sys.executable, "-m", "batchery", "run", str(src), "-o", str(out), "--errors", str(err),
                            "--json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)

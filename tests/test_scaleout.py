@@ -16,9 +16,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import WorkerFactory, wait_for
-from tasks.chat import CHAT_TASK
-from tasks.client import Client
-from worker.settings import Settings, queue_for_model
+from batchery.tasks.chat import CHAT_TASK
+from batchery.client import Client
+from batchery.contract.settings import Settings, queue_for_model
 
 
 def served(worker) -> float:

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
-from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from batchery.engine.block_manager import BlockManager
+from batchery.engine.sampling import SamplingParams
+from batchery.engine.scheduler import Scheduler
+from batchery.engine.sequence import Sequence, SequenceStatus
 
 BS = 4
 

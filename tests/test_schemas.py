@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from engine.sampling import SamplingParams
-from tasks.schemas import (
+from batchery.engine.sampling import SamplingParams
+from batchery.contract.schemas import (
     MAX_MESSAGES,
     MAX_TEXT_CHARS,
     ChatCompletion,

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 
 from conftest import WorkerFactory, free_port, wait_for
-from tasks.client import Client
-from worker.redis_check import RedisAuthError, check_redis
-from worker.settings import Settings
+from batchery.client import Client
+from batchery.broker.check import RedisAuthError, check_redis
+from batchery.contract.settings import Settings
 
 HI = [{"role": "user", "content": "hello world"}]
 QUEUE = f"batchery-secure-{uuid.uuid4().hex[:8]}"

@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from engine.attention.triton_attention import (  # noqa: E402
+from batchery.engine.attention.triton_attention import (  # noqa: E402
     paged_decode_attention,
     paged_prefill_attention,
     ref_paged_decode_attention,
@@ -337,10 +337,10 @@ def test_rejects_dtype_mismatch_in_store():
 def test_engine_with_triton_backend_matches_torch_backend(tiny_model_dir):
     """The whole engine on the Triton path (decode + varlen prefill with cached prefix, chunked)
     gives the same greedy tokens and logprobs as the torch reference path."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.loader import load_model
-    from engine.sampling import SamplingParams
+    from batchery.engine.config import EngineConfig
+    from batchery.engine.llm_engine import LLMEngine
+    from batchery.engine.loader import load_model
+    from batchery.engine.sampling import SamplingParams
 
     base = dict(model=str(tiny_model_dir), dtype="float32", device=DEVICE, block_size=4, max_num_batched_tokens=8)
     loaded = load_model(EngineConfig(**base))
@@ -371,11 +371,11 @@ def test_decode_graph_buffers_match_eager_steps(tiny_model_dir):
     """The CUDA-graph decode path without the capture (static buffers, padded buckets) gives the
     same greedy tokens and logprobs as eager steps, while the batch shrinks through its buckets
     and padding rows sit where an earlier, larger batch left real slots and block tables."""
-    from engine.config import EngineConfig
-    from engine.cuda_graphs import DecodeGraphs, bucket_sizes
-    from engine.llm_engine import LLMEngine
-    from engine.loader import load_model
-    from engine.sampling import SamplingParams
+    from batchery.engine.config import EngineConfig
+    from batchery.engine.cuda_graphs import DecodeGraphs, bucket_sizes
+    from batchery.engine.llm_engine import LLMEngine
+    from batchery.engine.loader import load_model
+    from batchery.engine.sampling import SamplingParams
 
     assert bucket_sizes(6) == [1, 2, 4, 6]
     assert bucket_sizes(40) == [1, 2, 4, 8, 16, 32, 40]

@@ -17,9 +17,9 @@ from datetime import datetime
 import pytest
 
 from conftest import REPO, redis_client, wait_for
-from tasks.client import Handle
-from tasks.schemas import ChatCompletion, Completion
-from worker.errors import DeadlineExceeded, EngineFailure, InvalidRequest
+from batchery.client import Handle
+from batchery.contract.schemas import ChatCompletion, Completion
+from batchery.contract.errors import DeadlineExceeded, EngineFailure, InvalidRequest
 
 HI = [{"role": "user", "content": "hello world"}]
 
@@ -71,7 +71,7 @@ def test_health_endpoints_and_cli(tiny_worker):
     assert status == 200 and body["healthy"] and body["loop_alive"] and body["state"] == "serving"
     status, body = tiny_worker.http("/readyz")
     assert status == 200 and body["ready"] and body["consuming"] and body["model_loaded"]
-    cli = [sys.executable, "-m", "tasks.cli", "health"]
+    cli = [sys.executable, "-m", "batchery", "health"]
     ok = subprocess.run(cli + ["--url", f"http://127.0.0.1:{tiny_worker.health_port}"], cwd=REPO,
                         capture_output=True, text=True, timeout=30)
     assert ok.returncode == 0, ok.stdout + ok.stderr

@@ -11,10 +11,10 @@ import time
 import pytest
 
 from conftest import wait_for
-from engine.config import EngineConfig
-from worker.engine_service import EngineService, GenerationRequest
-from worker.errors import DeadlineExceeded, EngineFailure, EngineUnavailable, InvalidRequest, WorkerShuttingDown
-from worker.faults import parse_faults
+from batchery.engine.config import EngineConfig
+from batchery.worker.engine_service import EngineService, GenerationRequest
+from batchery.contract.errors import DeadlineExceeded, EngineFailure, EngineUnavailable, InvalidRequest, WorkerShuttingDown
+from batchery.worker.faults import parse_faults
 
 LONG = dict(max_tokens=6000, temperature=0.0, ignore_eos=True)
 

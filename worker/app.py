@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from celery import Celery
 
-from tasks import batch_tasks, chat
-from tasks.batch_tasks import BATCH_LINE_TASK
-from tasks.chat import CHAT_TASK, COMPLETION_TASK
-from worker.errors import DeadlineExceeded, EngineCrash, InvalidRequest
-from worker.settings import Settings
+from batchery.tasks import batch_line, chat
+from batchery.tasks.batch_line import BATCH_LINE_TASK
+from batchery.tasks.chat import CHAT_TASK, COMPLETION_TASK
+from batchery.contract.errors import DeadlineExceeded, EngineCrash, InvalidRequest
+from batchery.contract.settings import Settings
 
 
 def make_app(settings: Settings | None = None) -> Celery:
@@ -68,9 +68,9 @@ def make_app(settings: Settings | None = None) -> Celery:
                   throws=expected, resultrepr_maxsize=160)
     app.task(name=CHAT_TASK, **common)(chat.chat_completion)
     app.task(name=COMPLETION_TASK, **common)(chat.completion)
-    # a batch line's outcome is its record in the job (tasks.jobs), not a Celery result
-    app.task(name=BATCH_LINE_TASK, **{**common, "throws": ()}, ignore_result=True)(batch_tasks.batch_line)
+    # a batch line's outcome is its record in the job (batchery.jobs.store), not a Celery result
+    app.task(name=BATCH_LINE_TASK, **{**common, "throws": ()}, ignore_result=True)(batch_line.batch_line)
     app.batchery_settings = settings
     app.batchery_service = None
-    app.batchery_jobs = None  # tasks.batch_tasks.job_store, on first use
+    app.batchery_jobs = None  # batchery.tasks.batch_line.job_store, on first use
     return app

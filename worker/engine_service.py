@@ -44,7 +44,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
-from worker.errors import (
+from batchery.contract.errors import (
     ContextLengthExceeded,
     DeadlineExceeded,
     EngineCrash,
@@ -53,8 +53,8 @@ from worker.errors import (
     InvalidRequest,
     WorkerShuttingDown,
 )
-from worker.faults import Fault, StepContext
-from worker.metrics import StepStats
+from batchery.worker.faults import Fault, StepContext
+from batchery.worker.metrics import StepStats
 
 log = logging.getLogger("batchery.worker.engine")
 
@@ -354,7 +354,7 @@ class EngineService:
 
     # -- engine construction -----------------------------------------------------------------
     def _build(self, loaded):
-        from engine.llm_engine import LLMEngine  # heavy; only the worker process pays for it
+        from batchery.engine.llm_engine import LLMEngine  # heavy; only the worker process pays for it
 
         config = self.config
         if self.num_kv_blocks and config.num_kv_blocks is None:
@@ -490,7 +490,7 @@ class EngineService:
         """Prove a rebuilt engine sound before it takes work: one short prompt, two tokens (a
         prefill and a decode step). If it raises (or hangs), the failure is the engine's, not a
         request's, and counts as a failed rebuild."""
-        from engine.sampling import SamplingParams
+        from batchery.engine.sampling import SamplingParams
 
         with self._lock:
             self._in_canary = True
@@ -548,8 +548,8 @@ class EngineService:
 
     def _add(self, engine, p: _Pending) -> bool:
         """Tokenize and add one request to the engine; False if it is gone or was refused."""
-        from engine.llm_engine import PromptTooLong
-        from engine.sampling import SamplingParams
+        from batchery.engine.llm_engine import PromptTooLong
+        from batchery.engine.sampling import SamplingParams
 
         if p.request_id not in self._pending:  # aborted or failed before it reached the engine
             return False

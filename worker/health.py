@@ -5,7 +5,7 @@
 - ``/readyz`` (readiness): the model is loaded and the worker is consuming its queue.
 - ``/stats``: the engine service's counters (mean batch size, KV blocks, failures, ...).
 
-More routes plug in with ``add_route``; the worker adds ``/metrics`` (``worker.metrics``)."""
+More routes plug in with ``add_route``; the worker adds ``/metrics`` (``batchery.worker.metrics``)."""
 
 from __future__ import annotations
 

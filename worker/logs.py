@@ -15,7 +15,7 @@ about several requests at once, such as an engine failure, carries none.
 
 Passwords are masked in every line: ``scheme://user:password@`` becomes ``scheme://user:***@``,
 and ``password=...`` becomes ``password=***``, whatever logged them. This is a safety net; the
-worker already masks the URLs it logs itself (``worker.settings.mask_url``)."""
+worker already masks the URLs it logs itself (``batchery.contract.settings.mask_url``)."""
 
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ import socket
 import sys
 import threading
 
-from worker.logs import configure_logging
-from worker.settings import Settings, mask_url
+from batchery.worker.logs import configure_logging
+from batchery.contract.settings import Settings, mask_url
 
 log = logging.getLogger("batchery.worker")
 
@@ -31,13 +31,13 @@ def run_worker(settings: Settings | None = None) -> int:
     """Run a worker in this process (blocking). Returns the process exit code."""
     from celery import signals
 
-    from worker.app import make_app
-    from worker.engine_service import EngineService
-    from worker.faults import parse_faults
-    from worker import kombu_patches
-    from worker.health import HealthServer
-    from worker.metrics import WorkerMetrics
-    from worker.redis_check import RedisAuthError, check_redis
+    from batchery.worker.app import make_app
+    from batchery.worker.engine_service import EngineService
+    from batchery.worker.faults import parse_faults
+    from batchery.worker import kombu_patches
+    from batchery.worker.health import HealthServer
+    from batchery.worker.metrics import WorkerMetrics
+    from batchery.broker.check import RedisAuthError, check_redis
 
     try:
         settings = settings or Settings()

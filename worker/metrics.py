@@ -16,7 +16,7 @@ Where each number comes from, and what it costs on the hot path:
 
 **Queue wait.** A Celery message carries no enqueue time, so the publishers stamp one: the
 ``batchery_enqueued_at`` message header, the publisher's ``time.time()``, set by
-``tasks.client.Client`` and the batch publisher (``tasks.publish``). When the task starts, the
+``batchery.client.Client`` and the batch publisher (``batchery.broker.publish``). When the task starts, the
 worker observes ``now - batchery_enqueued_at``, so the wait includes the time the message sat
 prefetched in the worker. Only first attempts are observed: a retry's message waits out its
 backoff countdown on purpose. Publisher and worker clocks must agree (NTP); a negative wait (clock
@@ -227,7 +227,7 @@ class QueueDepth:
     def __init__(self, broker_url: str, queue: str, ttl: float = QUEUE_DEPTH_TTL_S) -> None:
         from kombu.transport.redis import PRIORITY_STEPS, Channel
 
-        from tasks.publish import is_redis_url
+        from batchery.broker.publish import is_redis_url
 
         self.url = broker_url
         self.queue = queue
@@ -254,7 +254,7 @@ class QueueDepth:
 
         try:
             if self._client is None:
-                from tasks.jobs import redis_from_url
+                from batchery.jobs.store import redis_from_url
 
                 self._client = redis_from_url(self.url, socket_timeout=1.0, socket_connect_timeout=1.0)
             pipe = self._client.pipeline(transaction=False)
@@ -273,7 +273,7 @@ class QueueDepth:
 # -- the endpoint ------------------------------------------------------------------------------------
 class WorkerMetrics:
     """The worker's metrics registry. ``connect()`` hooks the Celery signals; ``route`` is the
-    ``/metrics`` route for ``worker.health.HealthServer``."""
+    ``/metrics`` route for ``batchery.worker.health.HealthServer``."""
 
     def __init__(self, service, settings, task_names=()) -> None:
         from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import torch_backend
-from engine.attention.metadata import get_metadata
+from batchery.engine.attention import torch_backend
+from batchery.engine.attention.metadata import get_metadata
 
 ATTN_IMPLEMENTATION = "batchery_paged"
 
@@ -25,7 +25,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     k_cache, v_cache = md.kv_caches[module.layer_idx]
     if md.backend == "triton":
-        from engine.attention import triton_backend
+        from batchery.engine.attention import triton_backend
 
         out = triton_backend.paged_attention(q, k, v, k_cache, v_cache, md, scale, sliding_window, softcap)
     else:  # "torch" reference, or "cpu" (the reference with the C++ decode kernel)

@@ -3,14 +3,14 @@
 The torch reference has to gather every sequence's KV blocks into a padded copy before SDPA can
 read them; at decode time that copy is most of the memory traffic of a step. This kernel reads
 K and V straight from the block pool, once per step, in parallel over sequences (and KV heads when
-there are few sequences). It is compiled with the other CPU kernels (``engine.cpu_kernels``); if
+there are few sequences). It is compiled with the other CPU kernels (``batchery.engine.cpu_kernels``); if
 the build fails, the torch reference path is used instead."""
 
 from __future__ import annotations
 
 import torch
 
-from engine import cpu_kernels
+from batchery.engine import cpu_kernels
 
 
 def load():

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import cpu_paged
-from engine.attention.metadata import AttentionMetadata, PrefillSeq
+from batchery.engine.attention import cpu_paged
+from batchery.engine.attention.metadata import AttentionMetadata, PrefillSeq
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
-from engine.attention.triton_attention import paged_decode_attention, paged_prefill_attention, store_kvcache
+from batchery.engine.attention.metadata import AttentionMetadata
+from batchery.engine.attention.triton_attention import paged_decode_attention, paged_prefill_attention, store_kvcache
 
 
 def add_metadata(md: AttentionMetadata, prefills: list[tuple[int, int, list[int]]], device: torch.device) -> None:

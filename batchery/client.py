@@ -1,6 +1,6 @@
 """Python client: enqueue OpenAI-style requests on a model's queue and collect typed results.
 
-    from tasks.client import Client
+    from batchery.client import Client
     c = Client()                                   # or Client(broker_url="redis://...")
     h = c.chat([{"role": "user", "content": "Hi"}], max_tokens=32, temperature=0, timeout=60)
     r = h.get(timeout=120)                         # ChatCompletion; r.choices[0].message.content
@@ -16,7 +16,7 @@
 Bodies are validated here too, so a bad request fails at once, before it is enqueued. ``get``
 raises ``InvalidRequest``, ``DeadlineExceeded``, ``EngineFailure`` (retries exhausted),
 ``TaskExpired`` or ``ResultTimeout``. A Redis that refuses the URL's password fails the first send
-at once with ``worker.redis_check.RedisAuthError`` (a ``ConnectionError``). Light: no torch, no
+at once with ``batchery.broker.check.RedisAuthError`` (a ``ConnectionError``). Light: no torch, no
 engine."""
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
 from pydantic import BaseModel, ValidationError
 
-from tasks.chat import CHAT_TASK, COMPLETION_TASK
-from tasks.schemas import (
+from batchery.tasks.chat import CHAT_TASK, COMPLETION_TASK
+from batchery.contract.schemas import (
     BatchJob,
     ChatCompletion,
     ChatCompletionRequest,
@@ -43,7 +43,7 @@ from tasks.schemas import (
     CompletionRequest,
     describe_validation_error,
 )
-from worker.errors import (
+from batchery.contract.errors import (
     BatcheryError,
     DeadlineExceeded,
     EngineFailure,
@@ -51,8 +51,8 @@ from worker.errors import (
     ResultTimeout,
     TaskExpired,
 )
-from worker.metrics import ENQUEUED_AT_HEADER
-from worker.settings import Settings
+from batchery.worker.metrics import ENQUEUED_AT_HEADER
+from batchery.contract.settings import Settings
 
 log = logging.getLogger("batchery.client")
 
@@ -119,13 +119,13 @@ class Client:
             if broker_url is not None and result_backend is None:
                 overrides["result_backend"] = broker_url
             settings = Settings(**overrides)
-        from worker.app import make_app  # celery app config shared with the worker (JSON only, routes)
+        from batchery.worker.app import make_app  # celery app config shared with the worker (JSON only, routes)
 
         self.settings = settings
         self.queue = settings.queue
         self.app = make_app(settings)
         self._jobs = None
-        self._broker_redis = None  # for tasks.recover, on first use
+        self._broker_redis = None  # for batchery.jobs.recover, on first use
         self._credentials_checked = False
 
     def close(self) -> None:
@@ -191,7 +191,7 @@ class Client:
         reconnect attempts (about 20 s). An unreachable Redis is left to those attempts."""
         if self._credentials_checked:
             return
-        from worker.redis_check import check_redis
+        from batchery.broker.check import check_redis
 
         check_redis(self.settings.broker_url, "the broker URL")
         if self.settings.result_backend != self.settings.broker_url:
@@ -224,7 +224,7 @@ class Client:
     def jobs(self):
         """The ``JobStore`` on the result backend's Redis."""
         if self._jobs is None:
-            from tasks.jobs import JobStore, redis_from_url
+            from batchery.jobs.store import JobStore, redis_from_url
 
             b = self.settings.batch
             self._jobs = JobStore(redis_from_url(self.settings.result_backend), b.key_prefix, b.ttl)
@@ -236,13 +236,13 @@ class Client:
         path (OpenAI Batch input lines) or an iterable of line dicts (or JSON strings). It is
         streamed; bad lines become error records and the rest goes on. ``timeout`` is each
         request's deadline in seconds; ``priority`` 0 (first, the default) to 9 (last)."""
-        from tasks.submit import make_submitter
+        from batchery.jobs.submit import make_submitter
 
         self._check_credentials()
         return make_submitter(self).run(source, timeout=timeout, priority=priority, metadata=metadata)
 
     def batch_status(self, job: str | BatchJob) -> BatchJob:
-        """The job's state; raises ``tasks.jobs.JobNotFound`` (a ``KeyError``) if there is none."""
+        """The job's state; raises ``batchery.jobs.store.JobNotFound`` (a ``KeyError``) if there is none."""
         return self.jobs.status(_job_id(job))
 
     def wait_batch(self, job: str | BatchJob, timeout: float | None = None, progress: bool = False,
@@ -254,7 +254,7 @@ class Client:
         outages. When the job has made no progress for ``recover_after`` seconds, looks for lines
         whose messages the broker lost and queues them again (``requeue_lost``; None: never).
         Raises ``ResultTimeout`` after ``timeout`` seconds."""
-        from tasks.progress import Progress
+        from batchery.progress import Progress
 
         job_id = _job_id(job)
         bar = Progress(sys.stderr) if progress else None
@@ -289,16 +289,16 @@ class Client:
 
     def requeue_lost(self, job: str | BatchJob) -> int:
         """Queue again the lines of a running job whose task messages the broker lost (a Redis
-        restart or a worker death at the wrong moment: see ``tasks.recover``). Returns how many;
+        restart or a worker death at the wrong moment: see ``batchery.jobs.recover``). Returns how many;
         0 on a broker other than Redis."""
-        from tasks.publish import is_redis_url
-        from tasks.recover import requeue_lost
+        from batchery.broker.publish import is_redis_url
+        from batchery.jobs.recover import requeue_lost
 
         if not is_redis_url(self.settings.broker_url):
             return 0
         st = job if isinstance(job, BatchJob) else self.jobs.status(_job_id(job))
         if self._broker_redis is None:
-            from tasks.jobs import redis_from_url
+            from batchery.jobs.store import redis_from_url
 
             self._broker_redis = redis_from_url(self.settings.broker_url)
         return requeue_lost(self.jobs, self._broker_redis, st.id, st.queue)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from tasks.schemas import BatchJob
+from batchery.contract.schemas import BatchJob
 
 
 def fmt_duration(seconds: float | None) -> str:

@@ -1,7 +1,7 @@
 """``batchery run FILE -o OUT.jsonl [--errors ERR.jsonl]``: the main job, in one command.
 
 With no ``BATCHERY_BROKER_URL`` in the environment it brings up the embedded stack
-(``tasks.embedded``: a private Redis and a worker), submits the file, shows the progress bar,
+(``batchery.embedded``: a private Redis and a worker), submits the file, shows the progress bar,
 writes the results and tears everything down. With a broker URL it submits to that cluster and
 waits. Output files appear whole or not at all (a temporary file, fsynced, then renamed), so
 Ctrl-C never leaves a half-written one.
@@ -115,10 +115,10 @@ def run_job(file: str, out: str, errors: str | None = None, *, timeout: float | 
     """The ``batchery run`` command. Returns the exit code."""
     from pydantic import ValidationError
 
-    from tasks.client import Client
-    from tasks.embedded import EmbeddedStack, StackError
-    from worker.errors import InvalidRequest
-    from worker.settings import Settings
+    from batchery.client import Client
+    from batchery.embedded import EmbeddedStack, StackError
+    from batchery.contract.errors import InvalidRequest
+    from batchery.contract.settings import Settings
 
     t0 = time.monotonic()
     if not Path(file).is_file():

@@ -6,7 +6,7 @@ worker dies, between the two, the message is gone: persistence cannot help, the 
 persisted. A batch job would then wait forever for that line.
 
 The submitter keeps a copy of every line's message in the job's ``pending`` ledger until the line
-is recorded (``tasks.jobs``). A line is lost when the job is ``in_progress`` and the line is still
+is recorded (``batchery.jobs.store``). A line is lost when the job is ``in_progress`` and the line is still
 pending, but its queue is empty (no copy waits there), no worker holds its message unacknowledged,
 and no worker has a live lease on it. The check runs twice, a moment apart, so a message caught
 between ``BRPOP`` and its ``unacked`` record is not taken for lost. A lost line's message is queued

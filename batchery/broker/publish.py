@@ -19,7 +19,7 @@ import time
 import uuid
 from bisect import bisect
 
-from worker.metrics import ENQUEUED_AT_HEADER
+from batchery.worker.metrics import ENQUEUED_AT_HEADER
 
 _DUMPS = json.JSONEncoder(separators=(",", ":")).encode
 

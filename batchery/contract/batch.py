@@ -25,7 +25,7 @@ from typing import IO
 
 from pydantic import BaseModel, ValidationError
 
-from tasks.schemas import ChatCompletionRequest, CompletionRequest, describe_validation_error
+from batchery.contract.schemas import ChatCompletionRequest, CompletionRequest, describe_validation_error
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -42,7 +42,7 @@ UNSUPPORTED_METHOD = "unsupported_method"
 UNSUPPORTED_URL = "unsupported_url"
 INVALID_BODY = "invalid_body"
 LINE_TOO_LARGE = "line_too_large"
-# ... and reported by the worker (see tasks.batch_tasks)
+# ... and reported by the worker (see batchery.tasks.batch_line)
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # 400: only the worker has the tokenizer
 INVALID_REQUEST = "invalid_request"  # 400: the worker refused it for another reason
 DEADLINE_EXCEEDED = "deadline_exceeded"  # 504

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from worker.settings import mask_url
+from batchery.contract.settings import mask_url
 
 
 class RedisAuthError(ConnectionError):
@@ -25,8 +25,8 @@ def check_redis(url: str, setting: str, timeout: float = 5.0) -> str | None:
     checked."""
     import redis
 
-    from tasks.jobs import redis_from_url
-    from tasks.publish import is_redis_url
+    from batchery.jobs.store import redis_from_url
+    from batchery.broker.publish import is_redis_url
 
     if not is_redis_url(url):
         return None

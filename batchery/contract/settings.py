@@ -49,7 +49,7 @@ def queue_for_model(model: str) -> str:
 
 
 class EngineOptions(BaseModel):
-    """Engine knobs beyond the interface names; mirror ``engine.config.EngineConfig``."""
+    """Engine knobs beyond the interface names; mirror ``batchery.engine.config.EngineConfig``."""
 
     device: str = Field(default="auto", description="auto, cpu, cuda or cuda:N")
     max_num_batched_tokens: int = Field(default=1024, ge=1,
@@ -183,7 +183,7 @@ class Settings(BaseSettings):
 
     def engine_config(self):
         """The frozen ``EngineConfig`` for this worker (imported lazily: settings stay light)."""
-        from engine.config import EngineConfig
+        from batchery.engine.config import EngineConfig
 
         e = self.engine
         return EngineConfig(
@@ -240,7 +240,7 @@ def env_variables() -> list[tuple[str, str, str]]:
 
 
 def env_table() -> str:
-    """The Markdown table of ``env_variables()``: ``python -m worker.settings --table``."""
+    """The Markdown table of ``env_variables()``: ``python -m batchery.contract.settings --table``."""
     lines = ["| variable | default | meaning |", "|---|---|---|"]
     for var, default, doc in env_variables():
         doc = doc.replace("|", "/").replace("<", "\\<")  # Markdown: a cell ends at |, <x> is a tag
@@ -252,5 +252,5 @@ if __name__ == "__main__":
     import sys
 
     if sys.argv[1:] != ["--table"]:
-        sys.exit("usage: python -m worker.settings --table   (the BATCHERY_* variables as a Markdown table)")
+        sys.exit("usage: python -m batchery.contract.settings --table   (the BATCHERY_* variables as a Markdown table)")
     sys.stdout.write(env_table())

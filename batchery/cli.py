@@ -35,8 +35,8 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
 def _worker_run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from worker.main import EXIT_CONFIG, run_worker
-    from worker.settings import Settings
+    from batchery.worker.main import EXIT_CONFIG, run_worker
+    from batchery.contract.settings import Settings
 
     overrides = {k: v for k, v in (("model", args.model), ("queue", args.queue), ("concurrency", args.concurrency),
                                    ("health_port", args.health_port), ("log_level", args.log_level)) if v is not None}
@@ -75,7 +75,7 @@ def _health_run(args: argparse.Namespace) -> int:
     if args.url:
         base = args.url.rstrip("/")
     else:
-        from worker.settings import Settings
+        from batchery.contract.settings import Settings
 
         base = f"http://127.0.0.1:{Settings().health_port}"
     paths = ["/healthz"] if args.live else ["/healthz", "/readyz"]
@@ -114,7 +114,7 @@ def _json_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _client(args: argparse.Namespace):
-    from tasks.client import Client
+    from batchery.client import Client
 
     return Client(model=getattr(args, "model", None), queue=getattr(args, "queue", None))
 
@@ -162,7 +162,7 @@ def _batch_submit_args(p: argparse.ArgumentParser) -> None:
 
 
 def _batch_submit_run(args: argparse.Namespace) -> int:
-    from worker.errors import InvalidRequest
+    from batchery.contract.errors import InvalidRequest
 
     try:
         metadata = _metadata(args.metadata)
@@ -195,7 +195,7 @@ def _batch_id_args(description: str):
 def _with_job(fn):
     """Run ``fn(client, args)``; a missing job is a clear message and exit code 1."""
     def run(args: argparse.Namespace) -> int:
-        from tasks.jobs import JobNotFound
+        from batchery.jobs.store import JobNotFound
 
         try:
             with _client(args) as c:
@@ -219,7 +219,7 @@ def _batch_wait_args(p: argparse.ArgumentParser) -> None:
 
 
 def _batch_wait_run(c, args) -> int:
-    from worker.errors import ResultTimeout
+    from batchery.contract.errors import ResultTimeout
 
     try:
         job = c.wait_batch(args.job, timeout=args.timeout, progress=not (args.no_progress or args.json))
@@ -239,7 +239,7 @@ def _batch_results_args(p: argparse.ArgumentParser) -> None:
 
 
 def _batch_results_run(c, args) -> int:
-    from tasks.run import write_results
+    from batchery.run import write_results
 
     job = c.batch_status(args.job)
     num_ok, num_err = write_results(c.batch_results(job.id), args.output, args.errors)
@@ -316,7 +316,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_run(args: argparse.Namespace) -> int:
-    from tasks.run import run_job
+    from batchery.run import run_job
 
     try:
         metadata = _metadata(args.metadata)

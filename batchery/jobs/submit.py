@@ -1,9 +1,9 @@
 """Streaming submission of a batch job: read, validate, enqueue, chunk by chunk.
 
 The input is never held whole: lines are read one at a time (an oversized line in bounded pieces),
-parsed and validated (``tasks.batch``), and every ``chunk_size`` lines one pipeline records the
+parsed and validated (``batchery.contract.batch``), and every ``chunk_size`` lines one pipeline records the
 chunk's error lines and counts in the job, then one ``LPUSH`` puts its task messages on the queue
-(``tasks.publish``). Workers start on the first chunk while the rest is still being read; the
+(``batchery.broker.publish``). Workers start on the first chunk while the rest is still being read; the
 job is ``validating`` until the last chunk, then ``in_progress``.
 
 The job fails as a whole (status ``failed``, a job-level error; lines already queued are skipped
@@ -18,12 +18,12 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from tasks.batch import BatchLine, LineError, line_error_record, parse_line, parse_object, parse_stream
-from tasks.batch_tasks import BATCH_LINE_TASK
-from tasks.jobs import STOPPED_STATUSES, JobStore, new_job_id
-from tasks.publish import MessageBuilder, is_redis_url
-from worker.errors import InvalidRequest
-from worker.metrics import ENQUEUED_AT_HEADER
+from batchery.contract.batch import BatchLine, LineError, line_error_record, parse_line, parse_object, parse_stream
+from batchery.tasks.batch_line import BATCH_LINE_TASK
+from batchery.jobs.store import STOPPED_STATUSES, JobStore, new_job_id
+from batchery.broker.publish import MessageBuilder, is_redis_url
+from batchery.contract.errors import InvalidRequest
+from batchery.worker.metrics import ENQUEUED_AT_HEADER
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
@@ -166,7 +166,7 @@ class Submitter:
         with self.store.r.pipeline(transaction=False) as p:
             for e in errors:
                 self.store.write_in(p, self.job_id, e.line, line_error_record(self.job_id, e), failed=True)
-            if self.builder is not None:  # the ledger, before the messages: see tasks.recover
+            if self.builder is not None:  # the ledger, before the messages: see batchery.jobs.recover
                 self.store.ledger_in(p, self.job_id, messages)
             self.store.queue_chunk(p, self.job_id, n, self.max_line)
             status = p.execute()[-1]
@@ -201,7 +201,7 @@ class Submitter:
 
 
 def make_submitter(client) -> Submitter:
-    from tasks.jobs import redis_from_url
+    from batchery.jobs.store import redis_from_url
 
     broker = redis_from_url(client.settings.broker_url) if is_redis_url(client.settings.broker_url) else None
     return Submitter(client.jobs, broker, client.app, client.settings)

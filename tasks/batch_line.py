@@ -1,6 +1,6 @@
 """``batchery.batch_line``: run one line of a batch job and store its record, exactly once.
 
-Thin, like the chat tasks it reuses (``tasks.chat.run_chat`` / ``run_completion``):
+Thin, like the chat tasks it reuses (``batchery.tasks.chat.run_chat`` / ``run_completion``):
 
 1. claim the line (``JobStore.claim``): skip it if the job is cancelling, cancelled, failed or gone,
    or if the line already has a record (a redelivered message);
@@ -24,7 +24,7 @@ import time
 
 from celery.exceptions import Reject, Retry
 
-from tasks.batch import (
+from batchery.contract.batch import (
     CHAT_URL,
     COMPLETIONS_URL,
     CONTEXT_LENGTH_EXCEEDED,
@@ -36,9 +36,9 @@ from tasks.batch import (
     error_record,
     output_record,
 )
-from tasks.chat import resolve_timeout, run_chat, run_completion
-from tasks.jobs import LEASE_GRACE_S, JobStore, JobWatch, redis_from_url
-from worker.errors import (
+from batchery.tasks.chat import resolve_timeout, run_chat, run_completion
+from batchery.jobs.store import LEASE_GRACE_S, JobStore, JobWatch, redis_from_url
+from batchery.contract.errors import (
     ContextLengthExceeded,
     DeadlineExceeded,
     EngineCrash,
@@ -46,7 +46,7 @@ from worker.errors import (
     InvalidRequest,
     RequestCancelled,
 )
-from worker.metrics import note_outcome
+from batchery.worker.metrics import note_outcome
 
 log = logging.getLogger("batchery.batch")
 

@@ -159,7 +159,7 @@ class EmbeddedStack:
         env.pop("BATCHERY_QUEUE", None)  # derived from the model, as the submitting client derives it
         repo = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.worker = self._spawn([sys.executable, "-m", "tasks.cli", "worker"], env, self.worker_log)
+        self.worker = self._spawn([sys.executable, "-m", "batchery", "worker"], env, self.worker_log)
 
     def check(self) -> None:
         """Raise ``StackError`` if Redis or the worker has exited."""

@@ -29,7 +29,7 @@ whose submitter stopped beating fails with ``submission_interrupted``.
 The ``pending`` ledger keeps a copy of each line's task message until the line is recorded, so a
 message the broker lost (kombu's Redis transport pops a message with BRPOP before it records it as
 unacknowledged: a Redis restart or a worker death in between loses it) can be found and queued
-again (``tasks.recover``). It costs about as much Redis memory as the queue itself while lines wait."""
+again (``batchery.jobs.recover``). It costs about as much Redis memory as the queue itself while lines wait."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ import uuid
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
-from tasks.schemas import TERMINAL_STATUSES, BatchJob
+from batchery.contract.schemas import TERMINAL_STATUSES, BatchJob
 
 ACTIVE_STATUSES = frozenset({"validating", "in_progress"})  # lines may still start
 STOPPED_STATUSES = frozenset({"cancelling", "cancelled", "failed"})  # lines must not run
@@ -289,7 +289,7 @@ class JobStore:
         pipe.hget(k, "status")
 
     def ledger_in(self, pipe, job_id: str, messages: list[tuple[int, str]]) -> None:
-        """Add to ``pipe`` the copies of a chunk's task messages, by line, for ``tasks.recover``."""
+        """Add to ``pipe`` the copies of a chunk's task messages, by line, for ``batchery.jobs.recover``."""
         if messages:
             key = self.keys(job_id)[3]
             pipe.hset(key, mapping={_line_key(line): msg for line, msg in messages})
