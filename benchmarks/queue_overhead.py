@@ -57,10 +57,11 @@ def percentile(xs: list[float], q: float) -> float:
 # -- direct -----------------------------------------------------------------------------------------
 def run_direct(settings, loaded, workload) -> dict:
     """The workload on a fresh engine (cold prefix cache) sharing ``loaded`` weights."""
+    from batchery.engine.config import EngineConfig
     from batchery.engine.llm_engine import LLMEngine
     from batchery.engine.sampling import SamplingParams
 
-    engine = LLMEngine(settings.engine_config(), loaded=loaded)
+    engine = LLMEngine(EngineConfig(**settings.engine_kwargs()), loaded=loaded)
     stepped: dict = {}
 
     def run(items) -> tuple[int, float]:
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ready-timeout", type=float, default=900.0)
     args = p.parse_args(argv)
 
+    from batchery.engine.config import EngineConfig
     from batchery.engine.loader import load_model
     from batchery.contract.settings import Settings
 
@@ -230,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     runner = None
     rounds = []
     try:
-        loaded = load_model(settings.engine_config())  # while the worker loads its own copy
+        loaded = load_model(EngineConfig(**settings.engine_kwargs()))  # while the worker loads its own copy
         print(f"worker: {wait_ready(proc, log_path, args.ready_timeout)}")
         runner = QueueRunner(settings, port)
         for r in range(args.rounds):

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+from batchery.contract.names import ATTENTION_BACKENDS, DEFAULT_MODEL, DTYPES
 
 
 @dataclass(frozen=True)
@@ -38,5 +37,5 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}")

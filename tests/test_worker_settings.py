@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from batchery.engine.config import EngineConfig
 from batchery.worker.faults import PARSERS, RebuildRaise, StepHang, StepRaise, parse_faults
 from batchery.contract.settings import DEFAULT_BROKER_URL, Settings, mask_url, queue_for_model
 
@@ -49,7 +50,7 @@ def test_env_names_and_nested_engine_options(monkeypatch):
     assert s.result_backend == "redis://:secret@redis:6379/2"
     assert s.queue == "batchery.my-model"
     assert (s.max_num_seqs, s.task_timeout, s.max_retries, s.visibility_timeout, s.health_port) == (32, 30, 5, 9000, 9100)
-    cfg = s.engine_config()
+    cfg = EngineConfig(**s.engine_kwargs())
     assert (cfg.model, cfg.dtype, cfg.max_num_seqs, cfg.num_kv_blocks, cfg.block_size) == (
         "/models/My Model.gguf", "float32", 32, 100, 32)
     assert "secret" not in str(s.describe())

