@@ -23,7 +23,6 @@ _PUBLIC = {
     "Client": ("batchery.client", "Client", False),
 }
 
-WORKER_INSTALL_HINT = "pip install 'batchery[worker]'"
 
 if TYPE_CHECKING:
     from batchery.client import Client
@@ -40,9 +39,11 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(module), attr)
     except ModuleNotFoundError as exc:
         if heavy and exc.name and exc.name.split(".")[0] in ("torch", "transformers", "triton", "gguf"):
+            from batchery.contract.installs import WORKER_INSTALL
+
             raise ModuleNotFoundError(
                 f"batchery.{name} is the offline engine and needs {exc.name}, which this install lacks: "
-                f"{WORKER_INSTALL_HINT}", name=exc.name) from exc
+                f"{WORKER_INSTALL}", name=exc.name) from exc
         raise
     globals()[name] = value
     return value

@@ -1,17 +1,21 @@
 """``batchery`` command line. Each subcommand is one entry in ``COMMANDS`` (``batch`` has its own
 ``BATCH_COMMANDS``): a help line, a function that adds its arguments, and a function that runs it
-and returns the exit code. Heavy imports happen inside the run functions, so ``batchery health``
-never loads torch. Human output by default; ``--json`` for scripts."""
+and returns the exit code. The CLI imports only the light layers (contract, Redis plumbing, job
+store, client): ``batchery worker`` execs ``python -m batchery.worker``, and ``batchery run`` starts
+its embedded worker as a process. Human output by default; ``--json`` for scripts."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from batchery.contract.installs import worker_install_hint
 
 
 @dataclass(frozen=True)
@@ -23,29 +27,21 @@ class Command:
 
 # -- worker ---------------------------------------------------------------------------------------
 def _worker_args(p: argparse.ArgumentParser) -> None:
-    p.description = "Run a worker: load the model, then consume its queue. Configured by BATCHERY_* variables; " \
-                    "the flags below override them."
-    p.add_argument("--model", help="model name, local HF directory or .gguf file (BATCHERY_MODEL)")
-    p.add_argument("--queue", help="queue to consume (BATCHERY_QUEUE; default derived from the model)")
-    p.add_argument("--concurrency", type=int, help="task threads (BATCHERY_CONCURRENCY)")
-    p.add_argument("--health-port", type=int, help="health endpoint port; 0 disables (BATCHERY_HEALTH_PORT)")
-    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ... (BATCHERY_LOG_LEVEL)")
+    p.description = "Run a worker (python -m batchery.worker; its own --help lists the flags)."
+    p.add_argument("worker_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
 
 def _worker_run(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
-    from batchery.worker.main import EXIT_CONFIG, run_worker
-    from batchery.contract.settings import Settings
-
-    overrides = {k: v for k, v in (("model", args.model), ("queue", args.queue), ("concurrency", args.concurrency),
-                                   ("health_port", args.health_port), ("log_level", args.log_level)) if v is not None}
-    try:
-        settings = Settings(**overrides)
-    except ValidationError as exc:
-        print(f"batchery worker: invalid configuration:\n{exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    return run_worker(settings)
+    """Become ``python -m batchery.worker`` (exec: same process, so signals and the exit code are the
+    worker's). The CLI never imports the worker: the light install has none."""
+    hint = worker_install_hint("batchery worker")
+    if hint is not None:
+        print(f"batchery worker: {hint}", file=sys.stderr)
+        return 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "batchery.worker", *args.worker_args])
+    return 1  # not reached
 
 
 # -- health ---------------------------------------------------------------------------------------
@@ -340,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchery", description="Queue-driven batch LLM inference.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, cmd in COMMANDS.items():
-        p = sub.add_parser(name, help=cmd.help)
+        p = sub.add_parser(name, help=cmd.help, add_help=name != "worker")  # the worker has its own --help
         cmd.add_arguments(p)
         p.set_defaults(_run=cmd.run)
     return parser

@@ -34,13 +34,16 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
 from pydantic import BaseModel, ValidationError
 
-from batchery.tasks.chat import CHAT_TASK, COMPLETION_TASK
+from batchery.broker.celery_app import make_celery
+from batchery.broker.connection import is_redis_url, redis_from_url, retry_through_outage
+from batchery.contract.names import CHAT_TASK, COMPLETION_TASK, ENQUEUED_AT_HEADER
 from batchery.contract.schemas import (
     BatchJob,
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
+    check_timeout,
     describe_validation_error,
 )
 from batchery.contract.errors import (
@@ -51,8 +54,8 @@ from batchery.contract.errors import (
     ResultTimeout,
     TaskExpired,
 )
-from batchery.worker.metrics import ENQUEUED_AT_HEADER
 from batchery.contract.settings import Settings
+from batchery.jobs.store import JobStore
 
 log = logging.getLogger("batchery.client")
 
@@ -119,11 +122,9 @@ class Client:
             if broker_url is not None and result_backend is None:
                 overrides["result_backend"] = broker_url
             settings = Settings(**overrides)
-        from batchery.worker.app import make_app  # celery app config shared with the worker (JSON only, routes)
-
         self.settings = settings
         self.queue = settings.queue
-        self.app = make_app(settings)
+        self.app = make_celery(settings)  # the worker's configuration: JSON only, routes
         self._jobs = None
         self._broker_redis = None  # for batchery.jobs.recover, on first use
         self._credentials_checked = False
@@ -182,10 +183,6 @@ class Client:
             what = "request body" if index is None else f"request body #{index}"
             raise InvalidRequest(describe_validation_error(exc, what)) from None
 
-    def _check_timeout(self, timeout: float | None) -> None:
-        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
-
     def _check_credentials(self) -> None:
         """Before the first send: a refused password fails now, clearly, instead of after Celery's
         reconnect attempts (about 20 s). An unreachable Redis is left to those attempts."""
@@ -207,14 +204,14 @@ class Client:
 
     def _send(self, name, schema, model, body, timeout, expires) -> Handle:
         self._check(schema, body)
-        self._check_timeout(timeout)
+        check_timeout(timeout)
         self._check_credentials()
         return self._publish(name, body, timeout, expires, model)
 
     def _send_many(self, name, schema, model, bodies, timeout, expires) -> list[Handle]:
         for i, body in enumerate(bodies):
             self._check(schema, body, i)
-        self._check_timeout(timeout)
+        check_timeout(timeout)
         self._check_credentials()
         with self.app.producer_or_acquire() as producer:
             return [self._publish(name, body, timeout, expires, model, producer) for body in bodies]
@@ -224,8 +221,6 @@ class Client:
     def jobs(self):
         """The ``JobStore`` on the result backend's Redis."""
         if self._jobs is None:
-            from batchery.jobs.store import JobStore, redis_from_url
-
             b = self.settings.batch
             self._jobs = JobStore(redis_from_url(self.settings.result_backend), b.key_prefix, b.ttl)
         return self._jobs
@@ -291,40 +286,20 @@ class Client:
         """Queue again the lines of a running job whose task messages the broker lost (a Redis
         restart or a worker death at the wrong moment: see ``batchery.jobs.recover``). Returns how many;
         0 on a broker other than Redis."""
-        from batchery.broker.publish import is_redis_url
         from batchery.jobs.recover import requeue_lost
 
         if not is_redis_url(self.settings.broker_url):
             return 0
         st = job if isinstance(job, BatchJob) else self.jobs.status(_job_id(job))
         if self._broker_redis is None:
-            from batchery.jobs.store import redis_from_url
-
             self._broker_redis = redis_from_url(self.settings.broker_url)
         return requeue_lost(self.jobs, self._broker_redis, st.id, st.queue)
 
     def _status_through_outages(self, job_id: str, deadline: float | None) -> BatchJob:
         """``jobs.status``, waiting out a Redis outage (restart, failover) with backoff and saying
         so in the log; gives up at ``deadline`` (None: never)."""
-        import redis
-
-        delay, since = 0.5, None
-        while True:
-            try:
-                st = self.jobs.status(job_id)
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                now = time.monotonic()
-                since = since or now
-                if deadline is not None and now >= deadline:
-                    raise
-                log.warning("Redis unavailable while waiting for batch job %s (%s); retrying in %.1f s",
-                            job_id, exc, delay)
-                time.sleep(delay if deadline is None else max(0.0, min(delay, deadline - now)))
-                delay = min(delay * 2, 10.0)
-                continue
-            if since is not None:
-                log.warning("Redis is back: reconnected after %.1f s", time.monotonic() - since)
-            return st
+        return retry_through_outage(lambda: self.jobs.status(job_id), f"waiting for batch job {job_id}",
+                                    deadline=deadline, logger=log)
 
     def batch_results(self, job: str | BatchJob) -> Iterator[dict]:
         """The job's records in input order, streamed: output lines (``"error": None``) and error

@@ -159,7 +159,7 @@ class EmbeddedStack:
         env.pop("BATCHERY_QUEUE", None)  # derived from the model, as the submitting client derives it
         repo = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.worker = self._spawn([sys.executable, "-m", "batchery", "worker"], env, self.worker_log)
+        self.worker = self._spawn([sys.executable, "-m", "batchery.worker"], env, self.worker_log)
 
     def check(self) -> None:
         """Raise ``StackError`` if Redis or the worker has exited."""
@@ -167,9 +167,6 @@ class EmbeddedStack:
             raise StackError(f"the embedded redis-server exited ({self.redis.returncode}):\n{tail(self.redis_log)}")
         if self.worker is not None and self.worker.poll() is not None:
             raise StackError(f"the worker exited with code {self.worker.returncode}:\n{tail(self.worker_log)}")
-
-    def pids(self) -> list[int]:
-        return [p.pid for p in (self.worker, self.redis) if p is not None]
 
     def stop(self) -> None:
         """Worker first (warm shutdown, then SIGKILL), then Redis."""

@@ -116,6 +116,7 @@ def run_job(file: str, out: str, errors: str | None = None, *, timeout: float | 
     from pydantic import ValidationError
 
     from batchery.client import Client
+    from batchery.contract.installs import worker_install_hint
     from batchery.embedded import EmbeddedStack, StackError
     from batchery.contract.errors import InvalidRequest
     from batchery.contract.settings import Settings
@@ -125,6 +126,11 @@ def run_job(file: str, out: str, errors: str | None = None, *, timeout: float | 
         print(f"batchery run: no such file: {file}", file=sys.stderr)
         return EXIT_USAGE
     embedded = not os.environ.get("BATCHERY_BROKER_URL")
+    hint = worker_install_hint("batchery run without BATCHERY_BROKER_URL (an embedded worker)") if embedded else None
+    if hint is not None:
+        print(f"batchery run: {hint} Or set BATCHERY_BROKER_URL to run the file on a cluster's workers.",
+              file=sys.stderr)
+        return EXIT_USAGE
     old = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     stack = client = job_id = None
     workdir = None

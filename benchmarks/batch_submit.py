@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from batchery.client import Client
-    from batchery.jobs.store import redis_from_url
+    from batchery.broker.connection import redis_from_url
     from batchery.contract.settings import Settings
 
     tag = uuid.uuid4().hex[:8]

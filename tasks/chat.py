@@ -40,14 +40,12 @@ from batchery.contract.schemas import (
     TokenLogprob,
     TopLogprob,
     Usage,
+    check_timeout,
     describe_validation_error,
 )
 from batchery.worker.engine_service import GenerationRequest, GenerationResult
 from batchery.contract.errors import DeadlineExceeded, EngineFailure, EngineUnavailable, InvalidRequest, RequestCancelled
-from batchery.worker.metrics import note_result
 
-CHAT_TASK = "batchery.chat_completion"
-COMPLETION_TASK = "batchery.completion"
 CANCEL_POLL_S = 0.25  # how often a cancellable request checks its job while it waits
 
 
@@ -98,13 +96,9 @@ def _validate(schema: type[BaseModel], body):
 
 
 def resolve_timeout(timeout, settings) -> float:
-    if timeout is None:
-        return settings.task_timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if timeout > settings.max_task_timeout:
-        raise InvalidRequest(f"timeout {timeout:g} s exceeds this worker's limit of {settings.max_task_timeout:g} s")
-    return float(timeout)
+    """The attempt's deadline: the request's, checked against the worker's limit, else the default."""
+    checked = check_timeout(timeout, settings.max_task_timeout)
+    return settings.task_timeout if checked is None else checked
 
 
 def retry_delay(retries: int, settings) -> float:
@@ -123,8 +117,8 @@ def _generate(task, gen: GenerationRequest, timeout,
             raise EngineUnavailable("this process has no engine service (not a batchery worker)")
         gen = quarantine.prepare(task, gen)
         if cancelled is None:
-            return note_result(service.generate(gen, deadline))
-        return note_result(_generate_cancellable(service, gen, deadline, cancelled))
+            return service.generate(gen, deadline)
+        return _generate_cancellable(service, gen, deadline, cancelled)
     except EngineUnavailable as exc:
         # This worker cannot serve (shutting down, or its engine is gone for good): hand the
         # message back untouched for another worker, without spending a retry.

@@ -4,7 +4,7 @@ When an engine step fails, the engine service fails only the requests that were 
 with an ``EngineFailure`` marked ``struck`` (see ``batchery.worker.engine_service``). Each such failure is
 a strike against the task. The task id is stable across Celery retries and redeliveries
 (``{job}-{line}`` for a batch line), so the count lives in the result backend's Redis under
-``{BATCHERY_QUARANTINE__KEY_PREFIX}:{task_id}`` and survives a retry that lands on another worker.
+``{BATCHERY_QUARANTINE__KEY_PREFIX}:{task_id}`` (``batchery.jobs.strikes``) and survives a retry that lands on another worker.
 From ``BATCHERY_QUARANTINE__AFTER`` strikes on, the task asks the engine to run the request alone
 (``GenerationRequest.solo``); the engine service then decides between "innocent" (it completes) and
 poison (``EngineCrash``).
@@ -19,53 +19,37 @@ import dataclasses
 import logging
 import threading
 
-from batchery.worker.metrics import record_quarantined
+from batchery.broker.connection import redis_from_url
+from batchery.jobs.strikes import Strikes
+from batchery.tasks.stores import app_resource
 
 log = logging.getLogger("batchery.quarantine")
 
-_lock = threading.Lock()
+
+_num_quarantined = 0
+_count_lock = threading.Lock()
 
 
-class Strikes:
-    """Strike counters on one Redis. Thread-safe (redis-py clients are)."""
+def num_quarantined() -> int:
+    """Requests this process put in quarantine (made to run alone): ``batchery_quarantined_requests_total``."""
+    return _num_quarantined
 
-    def __init__(self, redis_client, prefix: str = "batchery:strikes", ttl: int = 86400) -> None:
-        self.r = redis_client
-        self.prefix = prefix
-        self.ttl = int(ttl)
 
-    def key(self, task_id: str) -> str:
-        return f"{self.prefix}:{task_id}"
-
-    def get(self, task_id: str) -> int:
-        return int(self.r.get(self.key(task_id)) or 0)
-
-    def add(self, task_id: str) -> int:
-        """Count one more strike; returns the new count. The key expires ``ttl`` seconds after the
-        last strike."""
-        with self.r.pipeline(transaction=True) as p:
-            p.incr(self.key(task_id))
-            p.expire(self.key(task_id), self.ttl)
-            n, _ = p.execute()
-        return int(n)
-
-    def clear(self, task_id: str) -> None:
-        self.r.delete(self.key(task_id))
+def _count_quarantined() -> None:
+    global _num_quarantined
+    with _count_lock:
+        _num_quarantined += 1
 
 
 def strikes(app) -> Strikes:
-    """The process's strike store on the result backend's Redis (created on first use)."""
-    store = getattr(app, "batchery_strikes", None)
-    if store is None:
-        with _lock:
-            store = getattr(app, "batchery_strikes", None)
-            if store is None:
-                from batchery.jobs.store import redis_from_url
+    """The process's strike counters on the result backend's Redis (created on first use)."""
 
-                s = app.batchery_settings
-                ttl = max(3600, int(s.visibility_timeout or 0) * 2)
-                store = app.batchery_strikes = Strikes(redis_from_url(s.result_backend), s.quarantine.key_prefix, ttl)
-    return store
+    def build() -> Strikes:
+        s = app.batchery_settings
+        ttl = max(3600, int(s.visibility_timeout or 0) * 2)
+        return Strikes(redis_from_url(s.result_backend), s.quarantine.key_prefix, ttl)
+
+    return app_resource(app, "batchery_strikes", build)
 
 
 def prepare(task, gen):
@@ -82,7 +66,7 @@ def prepare(task, gen):
     if n < after:
         return gen
     log.warning("quarantine: %s was in %d failing engine steps; it runs alone", req.id, n)
-    record_quarantined()
+    _count_quarantined()
     return dataclasses.replace(gen, solo=True)
 
 

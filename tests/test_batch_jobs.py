@@ -17,6 +17,7 @@ import pytest
 
 from conftest import TEST_BROKER_URL, TEST_RESULT_BACKEND, drop_queue_keys, redis_client
 from batchery.contract import batch
+from batchery.contract.outcomes import Outcome
 from batchery.client import Client
 from batchery.jobs.store import JobNotFound, JobStore
 from batchery.broker.publish import MessageBuilder
@@ -95,7 +96,7 @@ def test_the_same_result_delivered_twice_counts_once(store):
 
     def deliver(i: int) -> None:
         barrier.wait()
-        rec = ok(job, 2) if i % 2 else batch.error_record(job, 2, "c2", batch.ENGINE_ERROR, "x", status_code=500)
+        rec = ok(job, 2) if i % 2 else batch.error_record(job, 2, "c2", Outcome.ENGINE_ERROR.value, "x", status_code=500)
         outcomes.append(store.write(job, 2, rec, bool(i % 2 == 0), 2, 3))
 
     threads = [threading.Thread(target=deliver, args=(i,)) for i in range(8)]

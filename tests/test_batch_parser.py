@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchery.contract import batch
+from batchery.contract.outcomes import Outcome
 from batchery.contract.batch import BatchLine, LineError, error_record, line_error_record, output_record, parse_line, parse_stream
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
@@ -116,7 +117,7 @@ def test_records_have_the_openai_batch_shape():
     err = line_error_record("batch_abc", LineError(4, None, batch.INVALID_JSON, "bad"))
     assert err == {"id": "batch_req_abc_4", "custom_id": None, "response": None,
                    "error": {"code": "invalid_json", "message": "bad", "line": 4}}
-    err = error_record("batch_abc", 5, "y", batch.CONTEXT_LENGTH_EXCEEDED, "too long", status_code=400,
+    err = error_record("batch_abc", 5, "y", Outcome.CONTEXT_LENGTH_EXCEEDED.value, "too long", status_code=400,
                        request_id="r")
     assert err["response"]["status_code"] == 400
     assert err["response"]["body"]["error"] == {"message": "too long", "type": "invalid_request_error",

@@ -107,8 +107,8 @@ def test_hostile_messages_do_not_take_the_worker_down(tiny_worker, tiny_client):
     import uuid
 
     from conftest import wait_for
-    from batchery.tasks.batch_line import BATCH_LINE_TASK
-    from batchery.tasks.chat import CHAT_TASK
+    from batchery.contract.names import BATCH_LINE_TASK
+    from batchery.contract.names import CHAT_TASK
 
     app, q, store = tiny_client.app, tiny_worker.queue, tiny_client.jobs
     job = f"batch_hostile{uuid.uuid4().hex[:8]}"

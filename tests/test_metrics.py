@@ -18,9 +18,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import TEST_BROKER_URL, redis_client, wait_for
-from batchery.tasks.batch_line import BATCH_LINE_TASK
-from batchery.tasks.chat import CHAT_TASK, COMPLETION_TASK
-from batchery.contract.errors import DeadlineExceeded, EngineFailure, InvalidRequest
+from batchery.contract.errors import ContextLengthExceeded, DeadlineExceeded, EngineCrash, EngineFailure, InvalidRequest
+from batchery.contract.names import BATCH_LINE_TASK, CHAT_TASK, COMPLETION_TASK
+from batchery.contract.outcomes import LineOutcome, Outcome
 from batchery.worker.metrics import METRICS, FixedHistogram, QueueDepth, StepStats, outcome_of
 
 SYSTEM = " ".join(["you are a good model that can write a long story about the cat and the dog by the sea"] * 3)
@@ -231,15 +231,17 @@ def test_fixed_histogram_bounds_are_inclusive():
 
 @pytest.mark.parametrize("state, retval, outcome", [
     ("SUCCESS", {"id": "x"}, "success"),
-    ("SUCCESS", "ok (job running)", "success"),
-    ("SUCCESS", "skipped (done)", "skipped"),
-    ("SUCCESS", "cancelled", "cancelled"),
+    ("SUCCESS", LineOutcome(Outcome.SUCCESS, "job in_progress"), "success"),
+    ("SUCCESS", LineOutcome(Outcome.SKIPPED, "done"), "skipped"),
+    ("SUCCESS", LineOutcome(Outcome.CANCELLED), "cancelled"),
+    ("SUCCESS", LineOutcome(Outcome.DEADLINE_EXCEEDED, "job in_progress"), "deadline_exceeded"),  # an error record
     ("RETRY", None, "retry"),
     ("REJECTED", None, "requeued"),
     ("FAILURE", InvalidRequest("x"), "invalid_request"),
     ("FAILURE", DeadlineExceeded("x"), "deadline_exceeded"),
     ("FAILURE", EngineFailure("x"), "engine_error"),
-    ("FAILURE", type("EngineCrash", (Exception,), {})("x"), "engine_crash"),  # quarantine's verdict
+    ("FAILURE", ContextLengthExceeded("x"), "context_length_exceeded"),
+    ("FAILURE", EngineCrash("x"), "engine_crash"),  # quarantine's verdict
     ("FAILURE", KeyError("x"), "internal_error"),
 ])
 def test_outcome_labels(state, retval, outcome):
@@ -247,14 +249,15 @@ def test_outcome_labels(state, retval, outcome):
 
 
 def test_quarantine_counter_is_exposed():
+    from batchery.tasks import quarantine
     from batchery.worker import metrics
     from batchery.worker.engine_service import EngineService
     from batchery.contract.settings import Settings
 
     m = metrics.WorkerMetrics(EngineService(None), Settings(broker_url="memory://"), task_names=[CHAT_TASK])
     before = Scrape(m.render())["batchery_quarantined_requests_total"]
-    metrics.record_quarantined()
-    metrics.record_quarantined(2)
+    for _ in range(3):
+        quarantine._count_quarantined()
     after = Scrape(m.render())
     assert after["batchery_quarantined_requests_total"] == before + 3
     assert after["batchery_requests_total", {"task": CHAT_TASK, "outcome": "success"}] == 0  # exists at 0

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import WorkerFactory, wait_for
-from batchery.tasks.chat import CHAT_TASK
+from batchery.contract.names import CHAT_TASK
 from batchery.client import Client
 from batchery.contract.settings import Settings, queue_for_model
 

@@ -1,68 +1,21 @@
-"""The Celery app, built from ``Settings``. No import-time side effects: call ``make_app``.
-
-Delivery is at-least-once: late acks, reject on worker loss, a Redis visibility timeout longer
-than the longest deadline, bounded prefetch, and JSON only (pickle is refused both for task
-messages and for results)."""
+"""The worker's Celery app: the shared configuration (``batchery.broker.celery_app``) with the task
+functions of ``batchery.tasks`` registered on it. No import-time side effects: call ``make_app``."""
 
 from __future__ import annotations
 
 from celery import Celery
 
-from batchery.tasks import batch_line, chat
-from batchery.tasks.batch_line import BATCH_LINE_TASK
-from batchery.tasks.chat import CHAT_TASK, COMPLETION_TASK
+from batchery.broker.celery_app import make_celery
 from batchery.contract.errors import DeadlineExceeded, EngineCrash, InvalidRequest
+from batchery.contract.names import BATCH_LINE_TASK, CHAT_TASK, COMPLETION_TASK
 from batchery.contract.settings import Settings
+from batchery.tasks import batch_line, chat
 
 
 def make_app(settings: Settings | None = None) -> Celery:
     """A Celery app for ``settings`` (default: from the environment) with its tasks registered."""
     settings = settings or Settings()
-    app = Celery("batchery", broker=settings.broker_url, backend=settings.result_backend, set_as_current=False)
-    app.conf.update(
-        # JSON only, everywhere
-        task_serializer="json",
-        result_serializer="json",
-        event_serializer="json",
-        accept_content=["json"],
-        result_accept_content=["json"],
-        # at-least-once delivery
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
-        task_acks_on_failure_or_timeout=True,  # a task that failed for good is not redelivered
-        worker_prefetch_multiplier=1,  # prefetch = concurrency: bounded
-        broker_transport_options={
-            "visibility_timeout": settings.visibility_timeout,
-            # kombu sweeps for messages whose worker died every interval x throttle seconds (by
-            # default 10 x 10): make it one sweep per interval, a tenth of the visibility timeout
-            "unacked_restore_interval": max(1.0, min(10.0, settings.visibility_timeout / 10)),
-            "unacked_restore_throttle": 1,
-            # the sweep holds a Redis lock shared by every worker on the broker; a worker killed
-            # while holding it would stop all sweeps for the lock's expiry (kombu: 300 s). Each
-            # restore is its own WATCH transaction, so a short expiry cannot restore twice.
-            "unacked_mutex_expire": int(max(5.0, min(300.0, settings.visibility_timeout / 4))),
-        },
-        # the result backend rides out a Redis restart (clients polling results, workers storing them)
-        result_backend_always_retry=True,
-        result_backend_max_retries=10,
-        result_expires=settings.result_expires,
-        # one queue per model
-        task_default_queue=settings.queue,
-        task_routes={name: {"queue": settings.queue} for name in (CHAT_TASK, COMPLETION_TASK, BATCH_LINE_TASK)},
-        # many tasks per process, all feeding one engine
-        worker_pool="threads",
-        worker_concurrency=settings.num_task_threads,
-        # the entry point owns logging and stdout
-        worker_hijack_root_logger=False,
-        worker_redirect_stdouts=False,
-        broker_connection_retry_on_startup=True,
-        # a lost broker connection must not cancel generations; their messages stay unacked
-        worker_cancel_long_running_tasks_on_connection_loss=False,
-        enable_utc=True,
-        # task events for monitoring (Flower); off by default, they cost a Redis publish per state change
-        worker_send_task_events=settings.send_events,
-        task_send_sent_event=settings.send_events,
-    )
+    app = make_celery(settings)
     expected = (InvalidRequest, DeadlineExceeded, EngineCrash)  # logged without a traceback
     common = dict(bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=settings.max_retries,
                   throws=expected, resultrepr_maxsize=160)
@@ -70,7 +23,6 @@ def make_app(settings: Settings | None = None) -> Celery:
     app.task(name=COMPLETION_TASK, **common)(chat.completion)
     # a batch line's outcome is its record in the job (batchery.jobs.store), not a Celery result
     app.task(name=BATCH_LINE_TASK, **{**common, "throws": ()}, ignore_result=True)(batch_line.batch_line)
-    app.batchery_settings = settings
     app.batchery_service = None
     app.batchery_jobs = None  # batchery.tasks.batch_line.job_store, on first use
     return app

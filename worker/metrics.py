@@ -3,10 +3,10 @@
 Where each number comes from, and what it costs on the hot path:
 
 - **Requests** (task threads), from Celery's ``task_prerun``, ``task_postrun`` and ``task_retry``
-  signals. prerun stamps the start and observes the queue wait. While the task runs it notes its
-  token counts (``note_result``) or, for a batch line, its error code (``note_outcome``) in a
-  thread-local record, and postrun turns the record into counter increments: a few operations per
-  request, none per token.
+  signals. prerun stamps the start in a thread-local record and observes the queue wait; postrun
+  reads how the attempt ended and its tokens from its return value (a result's ``usage``, or a
+  batch line's typed ``LineOutcome``) or its exception (each error type names its ``Outcome``): a
+  few operations per request, none per token.
 - **Engine steps** (the engine loop thread): ``StepStats.observe`` once per step, a few integer
   adds and three bisects into fixed buckets, with no lock and no prometheus object. A collector
   turns them into histograms and counters when Prometheus scrapes.
@@ -32,9 +32,15 @@ import threading
 import time
 from bisect import bisect_left
 
+from batchery.broker.connection import is_redis_url, redis_from_url
+from batchery.broker.queues import queue_keys
+from batchery.contract.errors import BatcheryError
+from batchery.contract.names import ENQUEUED_AT_HEADER
+from batchery.contract.outcomes import LineOutcome, Outcome
+from batchery.tasks.quarantine import num_quarantined
+
 log = logging.getLogger("batchery.worker.metrics")
 
-ENQUEUED_AT_HEADER = "batchery_enqueued_at"  # message header: the publisher's time.time() at enqueue
 QUEUE_DEPTH_TTL_S = 2.0
 
 STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -136,86 +142,44 @@ class StepStats:
         self.prefix_cache_query_tokens += cur[2] - prev[2]
 
 
-_quarantine_lock = threading.Lock()
-_num_quarantined = 0
-
-
-def record_quarantined(count: int = 1) -> None:
-    """Count ``count`` requests put in quarantine (``batchery_quarantined_requests_total``): made to
-    run alone after repeated engine failures. Any thread; works whether or not a metrics endpoint
-    is running. A poison verdict is also a request outcome (``engine_crash``)."""
-    global _num_quarantined
-    with _quarantine_lock:
-        _num_quarantined += count
-
-
-def num_quarantined() -> int:
-    return _num_quarantined
-
-
 # -- the task threads' side: a thread-local record per running task ----------------------------------
 class _Running:
-    __slots__ = ("task", "started", "outcome", "prompt_tokens", "generated_tokens")
+    __slots__ = ("task", "started")
 
     def __init__(self, task: str, started: float) -> None:
         self.task = task
         self.started = started
-        self.outcome: str | None = None
-        self.prompt_tokens = 0
-        self.generated_tokens = 0
 
 
 _local = threading.local()
 
 
-def note_result(result):
-    """Called by a task with its ``GenerationResult``: its tokens count once the task ends.
-    Returns ``result``. A no-op outside a worker with metrics."""
-    rec = getattr(_local, "rec", None)
-    if rec is not None:
-        rec.prompt_tokens += result.num_prompt_tokens
-        rec.generated_tokens += len(result.token_ids)
-    return result
+OUTCOMES = tuple(o.value for o in Outcome)
 
 
-def note_outcome(outcome: str) -> None:
-    """Called by a task whose return value does not tell how it ended (a batch line stores its
-    error as a record): the outcome label of this attempt."""
-    rec = getattr(_local, "rec", None)
-    if rec is not None:
-        rec.outcome = outcome
-
-
-# outcome labels by exception class name (the nearest class in the MRO wins)
-OUTCOME_BY_ERROR = {
-    "ContextLengthExceeded": "context_length_exceeded",
-    "InvalidRequest": "invalid_request",
-    "DeadlineExceeded": "deadline_exceeded",
-    "RequestCancelled": "cancelled",
-    "EngineCrash": "engine_crash",
-    "EngineFailure": "engine_error",
-}
-OUTCOMES = ("success", "invalid_request", "context_length_exceeded", "deadline_exceeded", "engine_error",
-            "engine_crash", "internal_error", "cancelled", "skipped", "retry", "requeued")
-
-
-def outcome_of(state: str | None, retval) -> str:
-    """The outcome label of a finished attempt from Celery's state and return value."""
+def outcome_of(state: str | None, retval) -> Outcome:
+    """How a finished attempt ended, from Celery's state and the task's return value (a batch line
+    returns a ``LineOutcome``; a failed task's retval is its exception, whose type names its outcome)."""
     if state == "SUCCESS":
-        if isinstance(retval, str):  # batch lines report what happened as a string
-            for prefix in ("skipped", "cancelled", "failed"):
-                if retval.startswith(prefix):
-                    return "internal_error" if prefix == "failed" else prefix
-        return "success"
+        return retval.outcome if isinstance(retval, LineOutcome) else Outcome.SUCCESS
     if state == "RETRY":
-        return "retry"
+        return Outcome.RETRY
     if state == "REJECTED":
-        return "requeued"
-    if isinstance(retval, BaseException):
-        for cls in type(retval).__mro__:
-            if cls.__name__ in OUTCOME_BY_ERROR:
-                return OUTCOME_BY_ERROR[cls.__name__]
-    return "internal_error"
+        return Outcome.REQUEUED
+    if isinstance(retval, BatcheryError):
+        return retval.outcome
+    return Outcome.INTERNAL_ERROR
+
+
+def tokens_of(retval) -> tuple[int, int]:
+    """(prompt, generated) tokens of a finished attempt: a chat or completion result's ``usage``, or a
+    batch line's ``LineOutcome``."""
+    if isinstance(retval, LineOutcome):
+        return retval.prompt_tokens, retval.completion_tokens
+    if isinstance(retval, dict):
+        usage = retval.get("usage") or {}
+        return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    return 0, 0
 
 
 # -- queue depth -------------------------------------------------------------------------------------
@@ -225,14 +189,10 @@ class QueueDepth:
     ``None`` when the broker is not Redis or does not answer."""
 
     def __init__(self, broker_url: str, queue: str, ttl: float = QUEUE_DEPTH_TTL_S) -> None:
-        from kombu.transport.redis import PRIORITY_STEPS, Channel
-
-        from batchery.broker.publish import is_redis_url
-
         self.url = broker_url
         self.queue = queue
         self.ttl = ttl
-        self.keys = [queue] + [f"{queue}{Channel.sep}{step}" for step in PRIORITY_STEPS if step]
+        self.keys = queue_keys(queue)
         self.enabled = is_redis_url(broker_url)
         self._client = None
         self._lock = threading.Lock()
@@ -254,8 +214,6 @@ class QueueDepth:
 
         try:
             if self._client is None:
-                from batchery.jobs.store import redis_from_url
-
                 self._client = redis_from_url(self.url, socket_timeout=1.0, socket_connect_timeout=1.0)
             pipe = self._client.pipeline(transaction=False)
             for key in self.keys:
@@ -345,12 +303,13 @@ class WorkerMetrics:
         _local.rec = None
         if rec is None or not self._ours(task):
             return
-        self.requests.labels(rec.task, rec.outcome or outcome_of(state, retval)).inc()
+        self.requests.labels(rec.task, outcome_of(state, retval).value).inc()
         self.duration.labels(rec.task).observe(time.perf_counter() - rec.started)
-        if rec.prompt_tokens:
-            self.prompt_tokens.labels(rec.task).inc(rec.prompt_tokens)
-        if rec.generated_tokens:
-            self.generation_tokens.labels(rec.task).inc(rec.generated_tokens)
+        prompt_tokens, generated_tokens = tokens_of(retval) if state == "SUCCESS" else (0, 0)
+        if prompt_tokens:
+            self.prompt_tokens.labels(rec.task).inc(prompt_tokens)
+        if generated_tokens:
+            self.generation_tokens.labels(rec.task).inc(generated_tokens)
 
     def _on_retry(self, sender=None, **kwargs) -> None:
         if self._ours(sender):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
+from batchery.broker.connection import is_redis_url, redis_from_url
 from batchery.contract.settings import mask_url
 
 
@@ -25,8 +26,6 @@ def check_redis(url: str, setting: str, timeout: float = 5.0) -> str | None:
     checked."""
     import redis
 
-    from batchery.jobs.store import redis_from_url
-    from batchery.broker.publish import is_redis_url
 
     if not is_redis_url(url):
         return None

@@ -17,28 +17,21 @@ import copy
 import json
 import time
 import uuid
-from bisect import bisect
 
-from batchery.worker.metrics import ENQUEUED_AT_HEADER
+from batchery.broker.queues import clamp_priority, queue_key
+from batchery.contract.names import ENQUEUED_AT_HEADER
 
 _DUMPS = json.JSONEncoder(separators=(",", ":")).encode
-
-
-def is_redis_url(url: str) -> bool:
-    return url.split("://", 1)[0] in ("redis", "rediss", "redis+socket", "socket", "unix")
 
 
 class MessageBuilder:
     """Celery protocol-2 messages for one task on one queue, ready for ``LPUSH``."""
 
     def __init__(self, app, task_name: str, queue: str, priority: int = 0, ignore_result: bool = True) -> None:
-        from kombu.transport.redis import PRIORITY_STEPS, Channel
-
         self.task_name = task_name
         self.queue = queue
-        self.priority = max(0, min(9, int(priority)))
-        step = PRIORITY_STEPS[bisect(PRIORITY_STEPS, self.priority) - 1]
-        self.key = f"{queue}{Channel.sep}{step}" if step else queue
+        self.priority = clamp_priority(priority)
+        self.key = queue_key(queue, self.priority)
         headers, properties, _body, _sent = app.amqp.as_task_v2(
             "template", task_name, args=(), kwargs={}, ignore_result=ignore_result, argsrepr="()", kwargsrepr="{}")
         self._headers = headers

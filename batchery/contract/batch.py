@@ -43,12 +43,8 @@ UNSUPPORTED_URL = "unsupported_url"
 INVALID_BODY = "invalid_body"
 LINE_TOO_LARGE = "line_too_large"
 # ... and reported by the worker (see batchery.tasks.batch_line)
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # 400: only the worker has the tokenizer
-INVALID_REQUEST = "invalid_request"  # 400: the worker refused it for another reason
-DEADLINE_EXCEEDED = "deadline_exceeded"  # 504
-ENGINE_ERROR = "engine_error"  # 500: the engine failed it and retries are spent
-ENGINE_CRASH = "engine_crash"  # 500: quarantine found it poison: it made the engine fail even alone
-INTERNAL_ERROR = "internal_error"  # 500: a bug; the line is still accounted for
+# Worker-side codes are the error values of batchery.contract.outcomes.Outcome (context_length_exceeded,
+# invalid_request, deadline_exceeded, engine_error, engine_crash, internal_error).
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,11 +221,6 @@ def line_error_record(job_id: str, err: LineError) -> dict:
     return error_record(job_id, err.line, err.custom_id, err.code, err.message)
 
 
-def is_error(record: dict) -> bool:
-    return record.get("error") is not None
-
-
-# -- helpers --------------------------------------------------------------------------------------
 def _json_type(v) -> str:
     if v is None:
         return "null"

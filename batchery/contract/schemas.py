@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from batchery.contract.errors import InvalidRequest
+
 MAX_MESSAGES = 1024
 MAX_TEXT_CHARS = 1_000_000  # total characters of prompt text per request
 MAX_PROMPT_TOKEN_IDS = 1 << 17
@@ -35,6 +37,18 @@ def describe_validation_error(exc: ValidationError, what: str = "request body") 
         msg = msg.removeprefix("Value error, ")
         lines.append(f"{loc}: {msg}")
     return f"invalid {what}: " + "; ".join(lines)
+
+
+def check_timeout(timeout: object, limit: float | None = None) -> float | None:
+    """A request's deadline in seconds (None: the worker's default), or ``InvalidRequest`` naming the
+    problem: not a positive number, or above ``limit`` (the worker's ``BATCHERY_MAX_TASK_TIMEOUT``)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if limit is not None and timeout > limit:
+        raise InvalidRequest(f"timeout {timeout:g} s exceeds this worker's limit of {limit:g} s")
+    return float(timeout)
 
 
 class _Strict(BaseModel):

@@ -24,24 +24,12 @@ import json
 import logging
 import time
 import uuid
-from bisect import bisect
+
+from batchery.broker.queues import queue_key, queue_keys
 
 log = logging.getLogger("batchery.recover")
 
 CONFIRM_S = 1.0  # the second look, to let a message in flight between BRPOP and unacked land
-
-
-def _queue_keys(queue: str) -> list[str]:
-    from kombu.transport.redis import PRIORITY_STEPS, Channel
-
-    return [f"{queue}{Channel.sep}{step}" if step else queue for step in PRIORITY_STEPS]
-
-
-def _queue_key(queue: str, priority: int) -> str:
-    from kombu.transport.redis import PRIORITY_STEPS, Channel
-
-    step = PRIORITY_STEPS[bisect(PRIORITY_STEPS, max(0, min(9, int(priority)))) - 1]
-    return f"{queue}{Channel.sep}{step}" if step else queue
 
 
 def held_lines(broker, queue: str, job_id: str) -> set[int]:
@@ -65,7 +53,7 @@ def held_lines(broker, queue: str, job_id: str) -> set[int]:
 def _candidates(store, broker, job_id: str, queue: str) -> set[int]:
     if store.get_status(job_id) != "in_progress":
         return set()
-    if any(broker.llen(k) for k in _queue_keys(queue)):
+    if any(broker.llen(k) for k in queue_keys(queue)):
         return set()  # messages still wait in the queue: nothing can be called lost yet
     pending = store.pending_lines(job_id)
     if not pending:
@@ -92,7 +80,7 @@ def requeue_lost(store, broker, job_id: str, queue: str, confirm_s: float = CONF
         for line, raw in messages.items():
             msg = json.loads(raw)
             msg["properties"]["delivery_tag"] = str(uuid.uuid4())
-            p.lpush(_queue_key(queue, msg["properties"].get("priority") or 0), json.dumps(msg))
+            p.lpush(queue_key(queue, msg["properties"].get("priority") or 0), json.dumps(msg))
         p.execute()
     log.warning("batch job %s: the messages of %d lines were lost by the broker (a Redis restart or a worker "
                 "death between taking a message and recording it); queued them again: lines %s", job_id,

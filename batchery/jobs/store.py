@@ -38,7 +38,6 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from urllib.parse import urlsplit
 
 from batchery.contract.schemas import TERMINAL_STATUSES, BatchJob
 
@@ -173,54 +172,6 @@ class JobNotFound(KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "no such batch job"
-
-
-def _logging_retry(retries: int = 6):
-    """redis-py's ``Retry`` (exponential backoff, 0.05 s doubling to 1.6 s: about 3 s in all) that
-    says in the log when a command meets an outage and when it gets through again."""
-    import logging
-
-    from redis.backoff import ExponentialBackoff
-    from redis.retry import Retry
-
-    log = logging.getLogger("batchery.redis")
-
-    class LoggingRetry(Retry):
-        def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
-            failures = [0]
-
-            def on_fail(error, count):
-                failures[0] = count
-                if count == 1:
-                    log.warning("Redis unavailable (%s); reconnecting with backoff (up to %d tries)", error,
-                                self._retries)
-                return fail(error, count) if with_failure_count else fail(error)
-
-            result = super().call_with_retry(do, on_fail, is_retryable, with_failure_count=True)
-            if failures[0]:
-                log.warning("Redis reconnected after %d retries", failures[0])
-            return result
-
-    return LoggingRetry(ExponentialBackoff(cap=1.6, base=0.05), retries)
-
-
-def redis_from_url(url: str, **kwargs):
-    """A redis-py client for a Redis URL as Celery and kombu spell it (``redis://``, ``rediss://``,
-    ``redis+socket:///path``, ``unix:///path``). Each command rides out a short outage (a restart,
-    an AOF still loading) with up to 6 retries and exponential backoff, about 3 s in all, and says
-    so in the log."""
-    import redis
-
-    kwargs.setdefault("retry", _logging_retry())
-
-    parts = urlsplit(url)
-    if parts.scheme in ("redis+socket", "socket"):
-        from urllib.parse import parse_qs
-
-        q = parse_qs(parts.query)
-        return redis.Redis(unix_socket_path=parts.path, password=parts.password, username=parts.username or None,
-                           db=int(q.get("virtual_host", q.get("db", ["0"]))[0] or 0), **kwargs)
-    return redis.Redis.from_url(url, **kwargs)
 
 
 def new_job_id() -> str:
@@ -482,5 +433,5 @@ class JobWatch:
         return hit[1] is None or hit[1] in STOPPED_STATUSES
 
 
-__all__ = ["JobStore", "JobWatch", "JobNotFound", "redis_from_url", "new_job_id", "ACTIVE_STATUSES",
+__all__ = ["JobStore", "JobWatch", "JobNotFound", "new_job_id", "ACTIVE_STATUSES",
            "STOPPED_STATUSES", "TERMINAL_STATUSES"]

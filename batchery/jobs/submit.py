@@ -19,11 +19,12 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from batchery.contract.batch import BatchLine, LineError, line_error_record, parse_line, parse_object, parse_stream
-from batchery.tasks.batch_line import BATCH_LINE_TASK
+from batchery.contract.schemas import check_timeout
+from batchery.contract.names import BATCH_LINE_TASK, ENQUEUED_AT_HEADER
 from batchery.jobs.store import STOPPED_STATUSES, JobStore, new_job_id
-from batchery.broker.publish import MessageBuilder, is_redis_url
+from batchery.broker.connection import is_redis_url, redis_from_url
+from batchery.broker.publish import MessageBuilder
 from batchery.contract.errors import InvalidRequest
-from batchery.worker.metrics import ENQUEUED_AT_HEADER
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
@@ -33,9 +34,7 @@ DEFAULT_CHUNK = 1000
 
 def check_options(timeout, priority, metadata) -> tuple[float | None, int, dict[str, str]]:
     """Validate the job-level options; raises ``InvalidRequest``."""
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not timeout > 0):
-        raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
+    timeout = check_timeout(timeout)
     if priority is None:
         priority = 0
     if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 9:
@@ -201,7 +200,5 @@ class Submitter:
 
 
 def make_submitter(client) -> Submitter:
-    from batchery.jobs.store import redis_from_url
-
     broker = redis_from_url(client.settings.broker_url) if is_redis_url(client.settings.broker_url) else None
     return Submitter(client.jobs, broker, client.app, client.settings)
