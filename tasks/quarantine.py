@@ -1,7 +1,7 @@
 """Poison-request quarantine, the task side: strikes per task, kept in Redis.
 
 When an engine step fails, the engine service fails only the requests that were in that step,
-with an ``EngineFailure`` marked ``struck`` (see ``batchery.worker.engine_service``). Each such failure is
+with an ``EngineFailure`` marked ``struck`` (see ``batchery.worker.service.triage``). Each such failure is
 a strike against the task. The task id is stable across Celery retries and redeliveries
 (``{job}-{line}`` for a batch line), so the count lives in the result backend's Redis under
 ``{BATCHERY_QUARANTINE__KEY_PREFIX}:{task_id}`` (``batchery.jobs.strikes``) and survives a retry that lands on another worker.

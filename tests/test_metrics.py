@@ -251,7 +251,7 @@ def test_outcome_labels(state, retval, outcome):
 def test_quarantine_counter_is_exposed():
     from batchery.tasks import quarantine
     from batchery.worker import metrics
-    from batchery.worker.engine_service import EngineService
+    from batchery.worker.service import EngineService
     from batchery.contract.settings import Settings
 
     m = metrics.WorkerMetrics(EngineService(None), Settings(broker_url="memory://"), task_names=[CHAT_TASK])

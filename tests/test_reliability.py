@@ -17,9 +17,9 @@ from conftest import wait_for
 from batchery.engine.config import EngineConfig
 from batchery.engine.llm_engine import OOM_MIN_TOKENS, LLMEngine
 from batchery.engine.sampling import SamplingParams
-from batchery.worker.engine_service import EngineService, GenerationRequest
+from batchery.worker.service import EngineService, GenerationRequest
 from batchery.contract.errors import EngineCrash, EngineFailure, InvalidRequest
-from batchery.worker.faults import OutOfMemory, Poison, StepRaiseEvery, parse_faults
+from batchery.worker.service.faults import OutOfMemory, Poison, StepRaiseEvery, parse_faults
 
 POISON = "XYZZY"
 
@@ -277,7 +277,7 @@ def test_an_engine_that_fails_all_real_work_is_given_up_not_blamed_on_requests(m
     After a few such verdicts with no successful step in between, the service gives up (the
     worker exits non-zero and the rest of the work goes back to the queue) instead of calling
     every request poison."""
-    from batchery.worker.engine_service import POISON_BREAKER
+    from batchery.worker.service.triage import POISON_BREAKER
     from batchery.contract.errors import EngineUnavailable
 
     reasons = []

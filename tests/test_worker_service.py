@@ -12,9 +12,9 @@ import pytest
 
 from conftest import wait_for
 from batchery.engine.config import EngineConfig
-from batchery.worker.engine_service import EngineService, GenerationRequest
+from batchery.worker.service import EngineService, GenerationRequest
 from batchery.contract.errors import DeadlineExceeded, EngineFailure, EngineUnavailable, InvalidRequest, WorkerShuttingDown
-from batchery.worker.faults import parse_faults
+from batchery.worker.service.faults import parse_faults
 
 LONG = dict(max_tokens=6000, temperature=0.0, ignore_eos=True)
 

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from batchery.engine.config import EngineConfig
-from batchery.worker.faults import PARSERS, RebuildRaise, StepHang, StepRaise, parse_faults
+from batchery.worker.service.faults import PARSERS, RebuildRaise, StepHang, StepRaise, parse_faults
 from batchery.contract.settings import DEFAULT_BROKER_URL, Settings, mask_url, queue_for_model
 
 
@@ -125,7 +125,7 @@ def test_fault_parser_errors_name_the_entry(spec, needle):
 def test_step_raise_fires_once_on_its_step():
     import threading
 
-    from batchery.worker.faults import InjectedFault, StepContext
+    from batchery.worker.service.faults import InjectedFault, StepContext
 
     f = parse_faults("step_raise:2")[0]
     ctx = lambda n: StepContext(step=n, seqs=[], engine=None, abandoned=threading.Event())  # noqa: E731

@@ -33,8 +33,8 @@ def run_worker(settings: Settings | None = None) -> int:
 
     from batchery.engine.config import EngineConfig
     from batchery.worker.app import make_app
-    from batchery.worker.engine_service import EngineService
-    from batchery.worker.faults import parse_faults
+    from batchery.worker.service import EngineService
+    from batchery.worker.service.faults import parse_faults
     from batchery.worker import kombu_patches
     from batchery.worker.health import HealthServer
     from batchery.worker.metrics import WorkerMetrics

@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from bisect import bisect_left
 
 from batchery.broker.connection import is_redis_url, redis_from_url
 from batchery.broker.queues import queue_keys
@@ -38,19 +37,18 @@ from batchery.contract.errors import BatcheryError
 from batchery.contract.names import ENQUEUED_AT_HEADER
 from batchery.contract.outcomes import LineOutcome, Outcome
 from batchery.tasks.quarantine import num_quarantined
+from batchery.worker.service.state import EngineState
+from batchery.worker.service.step_stats import FixedHistogram, StepStats
 
 log = logging.getLogger("batchery.worker.metrics")
 
 QUEUE_DEPTH_TTL_S = 2.0
 
-STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-STEP_TOKENS_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
                 1800.0, 3600.0)
 DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
                     1800.0, 3600.0)
-ENGINE_STATES = ("new", "serving", "rebuilding", "draining", "failed", "stopped")
+ENGINE_STATES = tuple(s.value for s in EngineState)
 
 # What /metrics exposes (the family names; counters get a _total suffix, histograms _bucket/_sum/_count).
 METRICS = {
@@ -80,66 +78,6 @@ METRICS = {
     "batchery_queue_depth": "gauge{queue}: messages waiting in the worker's queue on the broker",
     "batchery_worker_info": "info{model,dtype,queue,max_num_seqs}: constant 1",
 }
-
-
-# -- the engine loop's side: plain counters ---------------------------------------------------------
-class FixedHistogram:
-    """A histogram with fixed upper bounds, for one writer thread; readers get a consistent-enough
-    snapshot (the count is derived from the buckets, so count and +Inf always agree)."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)  # the last slot is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def cumulative(self) -> tuple[list[tuple[str, int]], float]:
-        counts, total = list(self.counts), self.sum
-        out, acc = [], 0
-        for bound, n in zip((*map(_le, self.bounds), "+Inf"), counts):
-            acc += n
-            out.append((bound, acc))
-        return out, total
-
-
-def _le(bound: float) -> str:
-    return repr(float(bound))
-
-
-class StepStats:
-    """Per-step engine figures, written by the engine loop thread once per step. The engine's own
-    counters restart with every rebuilt engine; these keep counting across rebuilds."""
-
-    def __init__(self) -> None:
-        self.step_seconds = FixedHistogram(STEP_SECONDS_BUCKETS)
-        self.batch_size = FixedHistogram(BATCH_SIZE_BUCKETS)
-        self.step_tokens = FixedHistogram(STEP_TOKENS_BUCKETS)
-        self.num_preemptions = 0
-        self.prefix_cache_hit_tokens = 0
-        self.prefix_cache_query_tokens = 0
-        self._gen: int | None = None
-        self._prev = (0, 0, 0)
-
-    def observe(self, gen: int, seconds: float, stats: dict) -> None:
-        """One finished step of engine generation ``gen``; ``stats`` is that engine's ``stats()``."""
-        self.step_seconds.observe(seconds)
-        self.batch_size.observe(stats["last_step_num_seqs"])
-        self.step_tokens.observe(stats["last_step_num_tokens"])
-        cur = (stats["num_preemptions"], stats["prefix_cache_hit_tokens"], stats["prefix_cache_query_tokens"])
-        prev = self._prev if gen == self._gen else (0, 0, 0)  # a new engine counts from zero
-        self._gen, self._prev = gen, cur
-        self.num_preemptions += cur[0] - prev[0]
-        self.prefix_cache_hit_tokens += cur[1] - prev[1]
-        self.prefix_cache_query_tokens += cur[2] - prev[2]
 
 
 # -- the task threads' side: a thread-local record per running task ----------------------------------

@@ -22,7 +22,13 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
+from batchery.worker.service.logprobs import Decoder
+
+if TYPE_CHECKING:
+    from batchery.engine.llm_engine import LLMEngine
+    from batchery.engine.sequence import Sequence
 
 log = logging.getLogger("batchery.worker.faults")
 
@@ -36,15 +42,15 @@ class StepContext:
     """What a fault sees at the start of a step (called in the engine loop thread)."""
 
     step: int  # 1-based, per process
-    seqs: list  # the scheduled engine Sequence objects (.request_id, .token_ids, .num_prompt_tokens)
-    engine: object  # the LLMEngine (for .tokenizer, e.g. to decode seqs)
+    seqs: list[Sequence]  # the scheduled engine sequences (.request_id, .token_ids, .num_prompt_tokens)
+    engine: LLMEngine  # the engine (for .tokenizer, e.g. to decode seqs)
     abandoned: threading.Event  # set once the supervisor has given up on this step's engine
-    prompt_text: Callable[[object], str | None] | None = None  # a seq's prompt as the client sent it
+    prompt_text: Callable[[Sequence], str | None] | None = None  # a seq's prompt as the client sent it
 
-    def text_of(self, seq) -> str:
+    def text_of(self, seq: Sequence) -> str:
         """The prompt of ``seq`` as sent (the messages' contents, or the prompt), else decoded."""
         text = self.prompt_text(seq) if self.prompt_text is not None else None
-        return text if text is not None else self.engine.tokenizer.decode(seq.prompt_token_ids)
+        return text if text is not None else cast(Decoder, self.engine.tokenizer).decode(seq.prompt_token_ids)
 
 
 class Fault:

@@ -1,0 +1,131 @@
+"""Request intake: what a task asks for (``GenerationRequest``), what it gets back
+(``GenerationResult``), the service's record of a request in flight (``Pending``), and turning a
+request into engine input (token ids and ``SamplingParams``)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from batchery.contract.errors import ContextLengthExceeded, InvalidRequest
+from batchery.worker.service.logprobs import LogprobEntry
+
+if TYPE_CHECKING:
+    from batchery.engine.llm_engine import LLMEngine
+    from batchery.engine.sampling import SamplingParams
+    from batchery.engine.sequence import RequestOutput
+
+
+@dataclass
+class GenerationRequest:
+    """What a task asks for. Exactly one of ``messages``, ``prompt``, ``prompt_token_ids``."""
+
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs; max_tokens None -> fill the context
+    priority: int = 0
+    solo: bool = False  # quarantined: run alone, with no other request in the engine
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: list[LogprobEntry] | None  # per token, with its top alternatives; None unless asked for
+    submitted_at: float  # wall-clock times (time.time()), for latency accounting
+    added_at: float
+    finished_at: float
+
+
+@dataclass
+class Pending:
+    """A submitted request whose future is not resolved yet."""
+
+    request_id: str
+    request: GenerationRequest
+    future: Future[GenerationResult]
+    submitted_at: float  # time.time()
+    added_at: float = 0.0  # time.time() when it went into the engine (the last time, after a carry-over)
+    in_engine: bool = False  # added to the current engine (False again once carried over to a new one)
+    solo_failures: int = 0  # failed runs alone (quarantine)
+    text: str | None = None  # the prompt as sent, for poison faults (built on first use)
+
+    @classmethod
+    def new(cls, request_id: str, request: GenerationRequest) -> Pending:
+        return cls(request_id, request, Future(), time.time())
+
+    def prompt_text(self) -> str | None:
+        """The prompt as the client sent it: the messages' contents joined, or the prompt; None
+        for token ids."""
+        if self.text is None:
+            req = self.request
+            if req.messages is not None:
+                self.text = "\n".join(str(m.get("content") or "") for m in req.messages)
+            elif req.prompt is not None:
+                self.text = req.prompt
+            else:
+                return None
+        return self.text
+
+    def result(self, out: RequestOutput, logprobs: list[LogprobEntry] | None, finished_at: float) -> GenerationResult:
+        """The result of this request from the engine's output for it."""
+        return GenerationResult(
+            request_id=out.request_id,
+            text=out.text,
+            token_ids=list(out.token_ids),
+            finish_reason=out.finish_reason or "stop",
+            num_prompt_tokens=len(out.prompt_token_ids),
+            num_cached_tokens=out.num_cached_tokens,
+            logprobs=logprobs,
+            submitted_at=self.submitted_at,
+            added_at=self.added_at,
+            finished_at=finished_at,
+        )
+
+
+@dataclass(frozen=True)
+class EngineInput:
+    """A request as the engine takes it."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def engine_input(engine: LLMEngine, req: GenerationRequest) -> EngineInput | InvalidRequest:
+    """Tokenize the request and build its ``SamplingParams`` (``max_tokens`` None fills the
+    context). A request the template, the tokenizer or ``SamplingParams`` refuses gets its error
+    back, returned rather than raised: it goes onto the request's future as it is."""
+    from batchery.engine.sampling import SamplingParams
+
+    try:
+        if req.messages is not None:
+            ids = engine.encode_chat(req.messages)
+        elif req.prompt is not None:
+            ids = engine.encode(req.prompt)
+        else:
+            ids = list(req.prompt_token_ids or [])
+    except Exception as exc:  # noqa: BLE001 - a template or tokenizer error is the request's fault
+        return InvalidRequest(f"could not tokenize the request: {exc}")
+    kwargs = dict(req.sampling)
+    if kwargs.get("max_tokens") is None:
+        room = engine.max_model_len - len(ids)
+        kwargs["max_tokens"] = max(room, 1)
+    try:
+        return EngineInput(ids, SamplingParams(**kwargs))
+    except (ValueError, TypeError) as exc:
+        return request_error(exc)
+
+
+def request_error(exc: ValueError | TypeError) -> InvalidRequest:
+    """What the task gets for a request the engine (or ``SamplingParams``) refused."""
+    from batchery.engine.llm_engine import PromptTooLong
+
+    kind = ContextLengthExceeded if isinstance(exc, PromptTooLong) else InvalidRequest
+    return kind(str(exc))
