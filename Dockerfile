@@ -32,15 +32,17 @@ RUN useradd --uid "${UID}" --non-unique --create-home --shell /usr/sbin/nologin 
 WORKDIR /src
 COPY pyproject.toml README.md ./
 # The base image's CUDA torch must survive: the build fails if pip replaced it.
-RUN mkdir -p engine/attention worker tasks \
- && touch engine/__init__.py engine/attention/__init__.py worker/__init__.py tasks/__init__.py \
+RUN mkdir -p batchery engine worker tasks \
+ && touch batchery/__init__.py engine/__init__.py worker/__init__.py tasks/__init__.py \
  && base_torch="$(python -c 'import torch; print(torch.__version__)')" \
- && pip install . \
+ && pip install '.[worker]' \
  && pip uninstall -y batchery \
- && rm -rf engine worker tasks build ./*.egg-info \
+ && rm -rf batchery engine worker tasks build ./*.egg-info \
  && python -c "import sys, torch; assert torch.__version__ == sys.argv[1] and torch.version.cuda, \
       'pip replaced the base image torch ' + sys.argv[1] + ' with ' + torch.__version__" "$base_torch"
 
+# batchery/ holds the light layers and the symlinks batchery/{engine,worker,tasks} -> ../engine etc.
+COPY batchery batchery
 COPY engine engine
 COPY worker worker
 COPY tasks tasks

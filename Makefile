@@ -3,12 +3,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install run test bench redis
+.PHONY: install run test test-fast lint redis
 
 install: $(VENV)/.installed
 
-# torch is pinned to the exact CPU build that lies on this machine's disk; a looser pin
-# would pull several GB of CUDA wheels.
+# The full install: the light package (client, CLI, job store) plus the worker extra (torch,
+# transformers, triton), the tests and the linters. torch is pinned to the exact CPU build that lies
+# on this machine's disk; a looser pin would pull several GB of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
@@ -28,3 +29,16 @@ run: install
 test: install redis
 	$(PY) -m pytest -q -ra --ignore=tests/test_triton_kernels.py $(PYTEST_ARGS)
 	$(PY) -m pytest -q -ra tests/test_triton_kernels.py
+
+# Unit tests only: no worker processes, no private Redis servers, no real model (a few minutes).
+test-fast: install redis
+	$(PY) -m pytest -q -ra -m "not integration and not slow" --ignore=tests/test_triton_kernels.py $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra -m "not integration and not slow" tests/test_triton_kernels.py
+
+# ruff (lint and format), mypy (fully typed: engine, contract, engine service) and the import contract
+# (layers only import downward, no cycles: [tool.importlinter] in pyproject.toml).
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy -p batchery.contract -p batchery.engine -p batchery.worker.service
+	$(VENV)/bin/lint-imports

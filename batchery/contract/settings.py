@@ -131,7 +131,7 @@ class Settings(BaseSettings):
     # supervision
     watchdog_timeout: float = Field(default=300.0, gt=0, description="work pending, no step for this long = failed")
     max_rebuilds: int = Field(default=3, ge=1, description="consecutive failed rebuilds before the worker gives up")
-    faults: str = Field(default="", description="fault injection for rehearsals (worker/faults.py); empty = none")
+    faults: str = Field(default="", description="fault injection for rehearsals (worker/service/faults.py); empty = none")
 
     # ops
     health_host: str = Field(default="0.0.0.0", description="address of the health and metrics server")
