@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import types
 
 log = logging.getLogger("batchery.engine.kernels")
 
@@ -582,11 +583,11 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bi
 """
 
 _lock = threading.Lock()
-_module = None
+_module: types.ModuleType | None = None
 _failed = False
 
 
-def load():
+def load() -> types.ModuleType | None:
     """The compiled module, or None when it cannot be built here (callers then use torch)."""
     global _module, _failed
     if _module is not None or _failed:

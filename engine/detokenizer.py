@@ -5,16 +5,24 @@ other request is decoded once, when it finishes, keeping detokenization off the 
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from batchery.engine.sequence import Sequence
 
 
-def _decode(tokenizer, ids: list[int]) -> str:
+class Tokenizer(Protocol):
+    """What detokenization needs of a transformers tokenizer."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+
+def _decode(tokenizer: Tokenizer | None, ids: list[int]) -> str:
     if tokenizer is None:  # token-ids-only engines (benchmarks on random-weight models)
         return ""
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def append_text(tokenizer, seq: Sequence) -> None:
+def append_text(tokenizer: Tokenizer | None, seq: Sequence) -> None:
     """Extend ``seq.text`` with the text of newly generated tokens (prefix/read offsets, so a
     multi-byte character split across tokens is emitted only once it is complete)."""
     if seq.read_offset == 0:
@@ -31,7 +39,7 @@ def append_text(tokenizer, seq: Sequence) -> None:
 def find_stop(seq: Sequence) -> int:
     """Index in ``seq.text`` where the earliest stop string starts, or -1. Only the text added since
     the last check (plus an overlap for a stop string straddling the boundary) is searched."""
-    stops = seq.params.stop
+    stops = seq.params.stop_strings
     longest = max(len(s) for s in stops)
     start = max(0, seq.stop_checked_len - longest + 1)
     seq.stop_checked_len = len(seq.text)
@@ -39,14 +47,14 @@ def find_stop(seq: Sequence) -> int:
     return min(hits) if hits else -1
 
 
-def final_text(tokenizer, seq: Sequence, strip_last: bool) -> str:
+def final_text(tokenizer: Tokenizer | None, seq: Sequence, strip_last: bool) -> str:
     """The request's output text; a matched stop string and everything after it is trimmed."""
     ids = seq.output_token_ids
     if strip_last:
         ids = ids[:-1]
     text = _decode(tokenizer, ids)
     if seq.params.stop:
-        hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+        hits = [i for i in (text.find(s) for s in seq.params.stop_strings) if i >= 0]
         if hits:
             text = text[: min(hits)]
     return text

@@ -19,9 +19,12 @@ HF baselines in our benchmarks) uses the same kernels. Set ``BATCHERY_CPU_KERNEL
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import types
+from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -34,14 +37,25 @@ CALIBRATION_ROWS = (8, 64, 512)
 ANY = 1 << 62
 
 
-def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+KernelLinear = Callable[..., torch.Tensor]  # (x [..., in], bias [out] | None) -> [..., out] through the kernel
+
+
+class _RoutedLinear(torch.nn.Linear):
+    """Typing only, never instantiated: the attributes ``install`` sets on an ``nn.Linear`` it routes."""
+
+    _batchery_linear: KernelLinear
+    _batchery_kernel: types.ModuleType  # the compiled kernels (``cpu_kernels.load()``)
+    _batchery_max_rows: int  # inputs of up to this many rows go to the kernel
+
+
+def _forward(self: _RoutedLinear, x: torch.Tensor) -> torch.Tensor:
     if (x.dtype == self.weight.dtype and not x.requires_grad and x.device.type == "cpu"
             and x.numel() <= self._batchery_max_rows * x.shape[-1]):
         return self._batchery_linear(x, self.bias)
     return F.linear(x, self.weight, self.bias)
 
 
-def _best_time(fn, reps: int = 3) -> float:
+def _best_time(fn: Callable[[], object], reps: int = 3) -> float:
     fn()
     best = float("inf")
     for _ in range(reps):
@@ -51,7 +65,7 @@ def _best_time(fn, reps: int = 3) -> float:
     return best
 
 
-def _kernel_fn(kernel, w: torch.Tensor):
+def _kernel_fn(kernel: types.ModuleType, w: torch.Tensor) -> tuple[KernelLinear, torch.Tensor]:
     """(callable (x, bias) -> y through the kernel, the tensor that callable reads: for fp32 the
     transposed weight, for bf16 the packed copy)"""
     if w.dtype == torch.float32:
@@ -61,7 +75,7 @@ def _kernel_fn(kernel, w: torch.Tensor):
     return (lambda x, bias=None: kernel.linear_bf16(x, packed, bias)), packed
 
 
-def calibrate(kernel, in_features: int, out_features: int, dtype: torch.dtype = torch.float32) -> int:
+def calibrate(kernel: types.ModuleType, in_features: int, out_features: int, dtype: torch.dtype = torch.float32) -> int:
     """The largest row count (0: none; ``ANY``: every one tried) up to which the kernel beats
     ``F.linear`` here, timed on random data of one layer's shape."""
     g = torch.Generator().manual_seed(0)
@@ -71,13 +85,13 @@ def calibrate(kernel, in_features: int, out_features: int, dtype: torch.dtype = 
     with torch.inference_mode():
         for rows in CALIBRATION_ROWS:
             x = torch.randn(rows, in_features, generator=g).to(dtype)
-            if _best_time(lambda: fn(x)) >= _best_time(lambda: F.linear(x, w)):
+            if _best_time(functools.partial(fn, x)) >= _best_time(functools.partial(F.linear, x, w)):
                 return limit
             limit = rows
     return ANY
 
 
-def _eligible(lin: torch.nn.Module, kernel) -> bool:
+def _eligible(lin: torch.nn.Module, kernel: types.ModuleType) -> bool:
     if not isinstance(lin, torch.nn.Linear) or getattr(lin, "_batchery_kernel", None) is not None:
         return False
     w = lin.weight
@@ -96,11 +110,12 @@ def install(model: torch.nn.Module, max_rows: int | None = None) -> int:
     if kernel is None:
         return 0
     embedding_ptrs = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    limits: dict[tuple, int] = {}
+    limits: dict[tuple[int, int, torch.dtype], int] = {}
     count = 0
-    for lin in model.modules():
-        if not _eligible(lin, kernel):
+    for module in model.modules():
+        if not _eligible(module, kernel):
             continue
+        lin = cast(_RoutedLinear, module)  # an nn.Linear (``_eligible``), about to get the routed attributes
         w = lin.weight
         key = (lin.in_features, lin.out_features, w.dtype)
         if max_rows is not None:
@@ -120,7 +135,8 @@ def install(model: torch.nn.Module, max_rows: int | None = None) -> int:
                     lin.weight = torch.nn.Parameter(kernel_weight.t(), requires_grad=False)
                 else:
                     lin.weight.data = kernel_weight.t()
-        lin.forward = types.MethodType(_forward, lin)
+        # a per-instance forward is how a torch module is rerouted without swapping its class
+        lin.forward = types.MethodType(_forward, lin)  # type: ignore[method-assign]  # nn.Module declares forward a method
         lin._batchery_kernel = kernel
         lin._batchery_max_rows = limit
         count += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, NoReturn, cast
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -44,10 +45,10 @@ class SamplingParams:
         self.temperature = float(self.temperature)
 
     def _check(self) -> None:
-        def bad(name: str, why: str) -> None:
+        def bad(name: str, why: str) -> NoReturn:
             raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
 
-        def is_int(v) -> bool:
+        def is_int(v: Any) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -88,6 +89,11 @@ class SamplingParams:
             bad("min_tokens", "must be an integer >= 0")
         if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """``stop`` as ``__post_init__`` left it: always a list."""
+        return cast(list[str], self.stop)
 
     @property
     def greedy(self) -> bool:

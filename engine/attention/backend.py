@@ -6,6 +6,8 @@ honouring what the model passes: ``scaling``, ``sliding_window`` and ``softcap``
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import torch
 
 from batchery.engine.attention import torch_backend
@@ -14,9 +16,19 @@ from batchery.engine.attention.metadata import get_metadata
 ATTN_IMPLEMENTATION = "batchery_paged"
 
 
-def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+class _AttentionModule(Protocol):
+    """What we read of the attention module transformers passes in."""
+
+    layer_idx: int  # set on every attention module by transformers: which layer's KV pair to use
+
+
+def paged_attention_forward(module: _AttentionModule, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                            sliding_window: int | None = None, softcap: float | None = None, **kwargs):
+                            sliding_window: int | None = None, softcap: float | None = None,
+                            **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature; ``attention_mask`` and ``dropout`` are unused
+    (the block tables say what each query sees; inference has no dropout). Returns the
+    [1, T, H, D] output and no attention weights."""
     md = get_metadata()
     # query: [1, H, T, D]; key/value: [1, Hkv, T, D] -> token-major [T, heads, D]
     q = query[0].transpose(0, 1)

@@ -8,12 +8,14 @@ the build fails, the torch reference path is used instead."""
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 from batchery.engine import cpu_kernels
 
 
-def load():
+def load() -> types.ModuleType | None:
     """The compiled kernels, or None when they cannot be built here (then the torch path is used)."""
     return cpu_kernels.load()
 
@@ -27,5 +29,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  softcap: float | None) -> torch.Tensor:
     """q: [B, H, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks] long;
     context_lens [B] long. Returns [B, H, D]."""
-    return load().paged_decode(q, k_cache, v_cache, block_tables, context_lens, float(scale),
-                               int(sliding_window or 0), float(softcap or 0.0))
+    kernels = load()
+    assert kernels is not None  # the "cpu" backend is picked only once they loaded
+    return kernels.paged_decode(q, k_cache, v_cache, block_tables, context_lens, float(scale),
+                                int(sliding_window or 0), float(softcap or 0.0))

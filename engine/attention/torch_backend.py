@@ -55,6 +55,7 @@ def _decode_mask(md: AttentionMetadata, width: int, sliding_window: int | None) 
     mask = md.masks.get(key)
     if mask is None:
         ctx = md.decode_context_lens  # [B]; the query sits at position ctx - 1
+        assert ctx is not None  # set whenever there are decode tokens
         pos = torch.arange(width, device=ctx.device)
         valid = pos[None, :] < ctx[:, None]
         if sliding_window:
@@ -82,22 +83,24 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """q: [T, H, D]; k, v: [T, Hkv, D] (already stored in the cache). Returns [T, H, D]."""
     out = torch.empty_like(q)
     nd = md.num_decode_tokens
-    if nd and md.backend == "cpu":
-        out[:nd] = cpu_paged.paged_decode(q[:nd], k_cache, v_cache, md.decode_block_tables,
-                                          md.decode_context_lens, scale, sliding_window, softcap)
-    elif nd:
-        kc = _gather(k_cache, md.decode_block_tables)  # [B, Hkv, C, D]
-        vc = _gather(v_cache, md.decode_block_tables)
-        mask = _decode_mask(md, kc.shape[2], sliding_window)  # [B, 1, 1, C], shared by all layers
-        hkv = kc.shape[1]
-        if softcap:
-            o = _attend(q[:nd].unsqueeze(2), kc, vc, mask, scale, softcap)  # [B, H, 1, D]
+    if nd:
+        bt, lens = md.decode_block_tables, md.decode_context_lens
+        assert bt is not None and lens is not None  # set whenever there are decode tokens
+        if md.backend == "cpu":
+            out[:nd] = cpu_paged.paged_decode(q[:nd], k_cache, v_cache, bt, lens, scale, sliding_window, softcap)
         else:
-            # The query heads sharing a KV head act as that head's queries at one position, so one
-            # SDPA call reads each KV head once instead of once per query head.
-            qg = q[:nd].view(nd, hkv, -1, q.shape[-1])  # [B, Hkv, G, D]
-            o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=scale)
-        out[:nd] = o.reshape(nd, q.shape[1], q.shape[2])
+            kc = _gather(k_cache, bt)  # [B, Hkv, C, D]
+            vc = _gather(v_cache, bt)
+            dmask = _decode_mask(md, kc.shape[2], sliding_window)  # [B, 1, 1, C], shared by all layers
+            hkv = kc.shape[1]
+            if softcap:
+                o = _attend(q[:nd].unsqueeze(2), kc, vc, dmask, scale, softcap)  # [B, H, 1, D]
+            else:
+                # The query heads sharing a KV head act as that head's queries at one position, so one
+                # SDPA call reads each KV head once instead of once per query head.
+                qg = q[:nd].view(nd, hkv, -1, q.shape[-1])  # [B, Hkv, G, D]
+                o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=dmask, scale=scale)
+            out[:nd] = o.reshape(nd, q.shape[1], q.shape[2])
     for p in md.prefills:
         qs = q[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
         if p.block_table is None:

@@ -43,10 +43,13 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
+# Triton reads the annotations of a kernel's parameters as specialisation hints (``tl.constexpr``,
+# forced types), so pointers, strides and sizes stay unannotated and each ``@triton.jit`` function
+# carries ``type: ignore[no-untyped-def]``.
 
 
 @triton.jit
-def _store_kvcache_kernel(
+def _store_kvcache_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see above)
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     stride_k_tok, stride_k_head, stride_k_dim,
     stride_v_tok, stride_v_head, stride_v_dim,
@@ -77,7 +80,7 @@ def _store_kvcache_kernel(
 
 
 @triton.jit
-def _softcap(s, softcap):
+def _softcap(s, softcap):  # type: ignore[no-untyped-def]  # Triton device function
     # tanh from exp(-2|x|): no overflow for large |x| and no tanh in core triton.language.
     x = s / softcap
     t = tl.exp(-2.0 * tl.abs(x))
@@ -86,7 +89,7 @@ def _softcap(s, softcap):
 
 
 @triton.jit
-def _gather_kv_offsets(block_tables_ptr, bt_row, k_pos, n_mask, block_size,
+def _gather_kv_offsets(block_tables_ptr, bt_row, k_pos, n_mask, block_size,  # type: ignore[no-untyped-def]
                        stride_c_blk, stride_c_off, kv_head_off):
     """Element offsets of the cache rows holding key positions ``k_pos`` ([BLOCK_N])."""
     blk = tl.load(block_tables_ptr + bt_row + k_pos // block_size, mask=n_mask, other=0)
@@ -94,7 +97,7 @@ def _gather_kv_offsets(block_tables_ptr, bt_row, k_pos, n_mask, block_size,
 
 
 @triton.jit
-def _paged_decode_kernel(
+def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see above)
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_m_ptr, part_l_ptr,
     scale, softcap, sliding_window,
@@ -189,7 +192,7 @@ def _paged_decode_kernel(
 
 
 @triton.jit
-def _decode_reduce_kernel(
+def _decode_reduce_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see above)
     part_out_ptr, part_m_ptr, part_l_ptr, out_ptr,
     stride_p_seq, stride_p_head, stride_p_split, stride_p_dim,
     stride_o_seq, stride_o_head, stride_o_dim,
@@ -206,8 +209,8 @@ def _decode_reduce_kernel(
 
     stat_offs = (seq * num_heads + head) * num_splits + offs_s
     m = tl.load(part_m_ptr + stat_offs, mask=s_mask, other=_NEG_BIG)
-    l = tl.load(part_l_ptr + stat_offs, mask=s_mask, other=0.0)
-    w = tl.exp2(m - tl.max(m, 0)) * l  # [BLOCK_S]; empty partitions weigh 0
+    l_part = tl.load(part_l_ptr + stat_offs, mask=s_mask, other=0.0)
+    w = tl.exp2(m - tl.max(m, 0)) * l_part  # [BLOCK_S]; empty partitions weigh 0
     o = tl.load(
         part_out_ptr + seq * stride_p_seq + head * stride_p_head
         + offs_s[:, None] * stride_p_split + offs_d[None, :] * stride_p_dim,
@@ -220,7 +223,7 @@ def _decode_reduce_kernel(
 
 
 @triton.jit
-def _paged_prefill_kernel(
+def _paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see above)
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
     out_ptr,
     scale, softcap, sliding_window,
@@ -369,7 +372,7 @@ def _window_and_softcap(sliding_window: int | None, softcap: float | None) -> tu
     return (sliding_window or 0), float(softcap or 0.0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
