@@ -21,7 +21,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV pool; None -> a default budget
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "triton"
-    cuda_graphs: bool = True  # replay decode steps from CUDA graphs (CUDA + Triton only; see batchery.engine.cuda_graphs)
+    cuda_graphs: bool = True  # replay decode steps from CUDA graphs (CUDA + Triton only; see engine/cuda_graphs.py)
     trust_remote_code: bool = False
     seed: int = 0
 
@@ -38,4 +38,4 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}")
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")

