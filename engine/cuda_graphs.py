@@ -20,13 +20,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
 from batchery.engine.attention.metadata import AttentionMetadata
-from batchery.engine.model_runner import ModelRunner, PackedStep, padded_tables
+from batchery.engine.packed_step import PackedStep, padded_tables
 
 log = logging.getLogger("batchery.engine.graphs")
+
+# The model on a decode batch: (input_ids [1, bs], positions [1, bs], metadata) -> logits [bs, vocab].
+# Captured into the graphs, so it must not depend on anything but its arguments and the model.
+DecodeForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -37,34 +42,41 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, capture: bool = True) -> None:
-        self.runner = runner
-        self.sizes = bucket_sizes(runner.config.max_num_seqs)
+    """Static input buffers for decode batches of up to ``max_num_seqs`` sequences, and (with
+    ``capture``) one CUDA graph of ``forward`` per batch-size bucket. ``kv_caches`` and ``backend``
+    go into the attention metadata of every run; ``max_blocks_per_seq`` is the block-table width
+    of a sequence at the longest context."""
+
+    def __init__(self, forward: DecodeForward, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: str,
+                 device: torch.device, max_num_seqs: int, max_blocks_per_seq: int, capture: bool = True) -> None:
+        self.model_forward = forward
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.device = device
+        self.sizes = bucket_sizes(max_num_seqs)
         self.max_size = self.sizes[-1]
-        dev = runner.device
-        n = self.max_size
-        width = -(-runner.max_model_len // runner.block_size)  # a full-length sequence's blocks
-        self.input_ids = torch.zeros(1, n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(1, n, dtype=torch.long, device=dev)
-        self.slots = torch.full((n,), -1, dtype=torch.long, device=dev)
-        self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=dev)
-        self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        n, dev = self.max_size, device
+        self.input_ids = torch.zeros(1, n, dtype=torch.long, device=dev)  # [1, n]
+        self.positions = torch.zeros(1, n, dtype=torch.long, device=dev)  # [1, n]
+        self.slots = torch.full((n,), -1, dtype=torch.long, device=dev)  # [n]
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)  # [n, width]
+        self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)  # [n]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_runs = 0  # decode steps run through the static buffers
         if capture:
             self._capture_all()
 
-    def _forward(self, bs: int) -> torch.Tensor:
+    def _forward_bucket(self, bs: int) -> torch.Tensor:
         """The model on the first ``bs`` rows of the static buffers; returns [bs, vocab] logits."""
         md = AttentionMetadata(
             slot_mapping=self.slots[:bs],
             num_decode_tokens=bs,
             decode_block_tables=self.block_tables[:bs],
             decode_context_lens=self.context_lens[:bs],
-            kv_caches=self.runner.kv_caches,
-            backend=self.runner.backend,
+            kv_caches=self.kv_caches,
+            backend=self.backend,
         )
-        return self.runner.forward(self.input_ids[:, :bs], self.positions[:, :bs], 0, md)
+        return self.model_forward(self.input_ids[:, :bs], self.positions[:, :bs], md)
 
     def _capture_all(self) -> None:
         """One graph per bucket, largest first, all in one memory pool (a smaller bucket's
@@ -73,13 +85,13 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):
-            self._forward(bs)  # warm-up: compiles the Triton kernels for this shape outside the capture
-            torch.cuda.synchronize(self.runner.device)
+            self._forward_bucket(bs)  # warm-up: compiles the Triton kernels for this shape outside the capture
+            torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(bs)
+                logits = self._forward_bucket(bs)
             self.graphs[bs] = (graph, logits)
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.synchronize(self.device)
         log.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s", len(self.graphs),
                  self.sizes[0], self.max_size, time.perf_counter() - t0)
 
@@ -101,5 +113,5 @@ class DecodeGraphs:
             graph, logits = self.graphs[bs]
             graph.replay()
         else:
-            logits = self._forward(bs)
+            logits = self._forward_bucket(bs)
         return logits[:n]

@@ -8,18 +8,19 @@ replayed from CUDA graphs captured at start-up (``batchery.engine.cuda_graphs``)
 
 from __future__ import annotations
 
-import itertools
+import functools
 import logging
 import os
-from dataclasses import dataclass, field
+from typing import Any
 
-import numpy as np
 import torch
 
 from batchery.engine.attention.backend import ATTN_IMPLEMENTATION, register
 from batchery.engine.attention.metadata import AttentionMetadata, PrefillSeq, set_metadata
 from batchery.engine.config import EngineConfig
+from batchery.engine.cuda_graphs import DecodeGraphs
 from batchery.engine.loader import LoadedModel
+from batchery.engine.packed_step import PackedPrefill, PackedStep, padded_tables
 from batchery.engine.sampler import Sampler
 from batchery.engine.sequence import Sequence
 
@@ -30,31 +31,23 @@ GPU_KV_FRACTION = 0.85  # of the memory free after the weights are loaded
 MAX_DEFAULT_MODEL_LEN = 8192
 
 
-def _text_config(hf_config):
+def _text_config(hf_config: Any) -> Any:
+    """The decoder's config (a multimodal model nests it); transformers configs are untyped attribute bags."""
     return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
 
 
-def padded_tables(tables: list[list[int]], dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """Block tables as one [len(tables), longest] CPU tensor, zero-padded. Through numpy: about 3x
-    faster than ``torch.tensor`` on padded lists, which matters with hundreds of sequences a step."""
-    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-    out = np.zeros((len(tables), int(lens.max())), dtype=torch.empty((), dtype=dtype).numpy().dtype)
-    out[np.arange(out.shape[1])[None, :] < lens[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(tables), dtype=out.dtype, count=int(lens.sum()))
-    return torch.from_numpy(out)
-
-
-@dataclass
-class PackedStep:
-    """One step as host lists, before it becomes device tensors."""
-    input_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    logits_idx: list[int] = field(default_factory=list)
-    sample_seqs: list[Sequence] = field(default_factory=list)
-    decode_tables: list[list[int]] = field(default_factory=list)
-    decode_lens: list[int] = field(default_factory=list)
-    prefills: list[tuple[int, int, int, list[int], bool]] = field(default_factory=list)
+@torch.inference_mode()
+def run_model(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+              logits_to_keep: torch.Tensor | int = 0) -> torch.Tensor:
+    """The model on one packed row: input_ids, positions [1, num_tokens]; returns [num_keep, vocab]
+    logits (``logits_to_keep`` 0: every row). A plain function of the model, so the decode graphs
+    can hold it without holding the runner."""
+    set_metadata(md)
+    try:
+        out = model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=logits_to_keep)
+    finally:
+        set_metadata(None)
+    return out.logits[0]  # [num_keep, vocab]
 
 
 class ModelRunner:
@@ -87,19 +80,23 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         self.graphs = self._capture_graphs()
 
-    def _capture_graphs(self):
+    def _capture_graphs(self) -> DecodeGraphs | None:
         """Decode CUDA graphs (``batchery.engine.cuda_graphs``) on CUDA with the Triton backend; None elsewhere,
         when turned off, or when capture fails (then every step runs eagerly)."""
         if not self.config.cuda_graphs or self.device.type != "cuda" or self.backend != "triton":
             return None
-        from batchery.engine.cuda_graphs import DecodeGraphs
-
         try:
-            return DecodeGraphs(self)
+            return self.build_decode_graphs()
         except Exception as e:  # the engine must still run where graphs cannot be captured
             log.warning("CUDA graphs disabled, every step runs eagerly: %s: %s", type(e).__name__, e)
             torch.cuda.synchronize(self.device)
             return None
+
+    def build_decode_graphs(self, capture: bool = True) -> DecodeGraphs:
+        """Decode graphs over this runner's model and KV cache; ``capture=False`` keeps only their
+        static buffers (how the CPU tests run that path). They hold the model, not the runner."""
+        return DecodeGraphs(functools.partial(run_model, self.model), self.kv_caches, self.backend, self.device,
+                            self.config.max_num_seqs, -(-self.max_model_len // self.block_size), capture=capture)
 
     def _bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -165,14 +162,16 @@ class ModelRunner:
                 p.decode_tables.append(table)
                 p.decode_lens.append(end)
             else:
-                p.prefills.append((q_start, n, end, table, start > 0))
+                p.prefills.append(PackedPrefill(q_start, n, end, table))
             if end == seq.num_tokens:  # the whole sequence is computed: sample its next token
                 p.logits_idx.append(q_start + n - 1)
                 p.sample_seqs.append(seq)
         return p
 
-    def prepare(self, p: PackedStep):
-        """The packed step as device tensors (ids, positions, rows to sample) and attention metadata."""
+    def prepare(self, p: PackedStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata,
+                                              list[Sequence]]:
+        """The packed step as device tensors: input ids and positions [1, num_tokens], the rows to
+        sample [num_sample], the attention metadata, and the sequences those rows sample for."""
         bs = self.block_size
         dev = self.device
         md = AttentionMetadata(
@@ -189,27 +188,25 @@ class ModelRunner:
         if self.backend == "triton":
             from batchery.engine.attention import triton_backend
 
-            triton_backend.add_metadata(md, [(n, ctx, table) for _, n, ctx, table, _ in p.prefills], dev)
+            triton_backend.add_metadata(md, p.prefills, dev)
         else:
-            for q_start, n, ctx, table, has_prefix in p.prefills:
-                bt = torch.tensor(table[: -(-ctx // bs)], dtype=torch.long, device=dev) if has_prefix else None
-                md.prefills.append(PrefillSeq(q_start, n, ctx, bt))
+            for pf in p.prefills:
+                bt = None
+                if pf.has_prefix:  # [num_blocks] of its context; None: it attends only to its own new tokens
+                    bt = torch.tensor(pf.block_table[: -(-pf.context_len // bs)], dtype=torch.long, device=dev)
+                md.prefills.append(PrefillSeq(pf.q_start, pf.q_len, pf.context_len, bt))
         ids = torch.tensor(p.input_ids, dtype=torch.long, device=dev)[None]
         pos = torch.tensor(p.positions, dtype=torch.long, device=dev)[None]
         keep = torch.tensor(p.logits_idx, dtype=torch.long, device=dev)
         return ids, pos, keep, md, p.sample_seqs
 
-    @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor | int,
                 md: AttentionMetadata) -> torch.Tensor:
-        set_metadata(md)
-        try:
-            out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep)
-        finally:
-            set_metadata(None)
-        return out.logits[0]  # [num_sample, vocab]
+        """ids, pos [1, num_tokens]; keep: the rows to compute logits for. Returns [num_keep, vocab]."""
+        return run_model(self.model, ids, pos, md, keep)
 
-    def run(self, seqs: list[Sequence], num_new_tokens: list[int], eos_ids: list[int]):
+    def run(self, seqs: list[Sequence], num_new_tokens: list[int],
+            eos_ids: list[int]) -> tuple[list[Sequence], list[int], list[dict | None]]:
         """One engine step on the device. Returns (sampled seqs, token ids, logprob entries)."""
         p = self.pack(seqs, num_new_tokens)
         if self.graphs is not None and not p.prefills and len(p.decode_lens) <= self.graphs.max_size:

@@ -372,7 +372,7 @@ def test_decode_graph_buffers_match_eager_steps(tiny_model_dir):
     same greedy tokens and logprobs as eager steps, while the batch shrinks through its buckets
     and padding rows sit where an earlier, larger batch left real slots and block tables."""
     from batchery.engine.config import EngineConfig
-    from batchery.engine.cuda_graphs import DecodeGraphs, bucket_sizes
+    from batchery.engine.cuda_graphs import bucket_sizes
     from batchery.engine.llm_engine import LLMEngine
     from batchery.engine.loader import load_model
     from batchery.engine.sampling import SamplingParams
@@ -390,7 +390,8 @@ def test_decode_graph_buffers_match_eager_steps(tiny_model_dir):
         eng = LLMEngine(EngineConfig(**base), loaded=loaded)
         assert eng.runner.graphs is None  # not on the CPU
         if graphs:
-            eng.runner.graphs = DecodeGraphs(eng.runner, capture=False)
+            eng.runner.graphs = eng.runner.build_decode_graphs(capture=False)
+            assert not hasattr(eng.runner.graphs, "runner")  # they hold the model's forward, not the runner
         outs = {}
         for i, p in enumerate(prompts):  # lengths 3..11: the batch shrinks 5 -> 4 -> ... -> 1
             eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True,

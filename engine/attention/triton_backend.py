@@ -9,25 +9,27 @@ import torch
 
 from batchery.engine.attention.metadata import AttentionMetadata
 from batchery.engine.attention.triton_attention import paged_decode_attention, paged_prefill_attention, store_kvcache
+from batchery.engine.packed_step import PackedPrefill
 
 
-def add_metadata(md: AttentionMetadata, prefills: list[tuple[int, int, list[int]]], device: torch.device) -> None:
+def add_metadata(md: AttentionMetadata, prefills: list[PackedPrefill], device: torch.device) -> None:
     """Int32 views of the step's tables, built once per step rather than once per layer.
-    ``prefills``: (query length, context length, block table) of each prefill chunk, in batch order."""
+    ``prefills``: the step's prefill chunks, in batch order."""
     if md.decode_block_tables is not None:
+        assert md.decode_context_lens is not None  # set together with the decode tables
         md.decode_block_tables = md.decode_block_tables.int()
         md.decode_context_lens = md.decode_context_lens.int()
     if not prefills:
         return
     cu = [0]
-    for n, _, _ in prefills:
-        cu.append(cu[-1] + n)
-    width = max(len(t) for _, _, t in prefills)
+    for pf in prefills:
+        cu.append(cu[-1] + pf.q_len)
+    width = max(len(pf.block_table) for pf in prefills)
     md.prefill_cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=device)
-    md.prefill_context_lens = torch.tensor([c for _, c, _ in prefills], dtype=torch.int32, device=device)
-    md.prefill_block_tables = torch.tensor([t + [0] * (width - len(t)) for _, _, t in prefills],
+    md.prefill_context_lens = torch.tensor([pf.context_len for pf in prefills], dtype=torch.int32, device=device)
+    md.prefill_block_tables = torch.tensor([pf.block_table + [0] * (width - len(pf.block_table)) for pf in prefills],
                                            dtype=torch.int32, device=device)
-    md.prefill_max_q = max(n for n, _, _ in prefills)
+    md.prefill_max_q = max(pf.q_len for pf in prefills)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -36,13 +38,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """q: [T, H, D]; k, v: [T, Hkv, D]. Stores K/V, returns [T, H, D]."""
     store_kvcache(k, v, k_cache, v_cache, md.slot_mapping)
     nd = md.num_decode_tokens
-    if md.prefill_cu_seqlens_q is None:
-        return paged_decode_attention(q, k_cache, v_cache, md.decode_block_tables, md.decode_context_lens,
-                                      scale, sliding_window, softcap)
+    bt, lens = md.decode_block_tables, md.decode_context_lens
+    if md.prefill_cu_seqlens_q is None:  # decode only
+        assert bt is not None and lens is not None
+        return paged_decode_attention(q, k_cache, v_cache, bt, lens, scale, sliding_window, softcap)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, md.decode_block_tables,
-                                          md.decode_context_lens, scale, sliding_window, softcap)
+        assert bt is not None and lens is not None
+        out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, bt, lens, scale, sliding_window, softcap)
+    assert md.prefill_block_tables is not None and md.prefill_context_lens is not None  # set by add_metadata
     out[nd:] = paged_prefill_attention(q[nd:], k_cache, v_cache, md.prefill_block_tables,
                                        md.prefill_cu_seqlens_q, md.prefill_context_lens, scale,
                                        sliding_window, softcap, max_seqlen_q=md.prefill_max_q)
