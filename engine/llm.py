@@ -56,7 +56,7 @@ class LLM:
             try:
                 self.engine.add_request(rid, ids, p)
             except ValueError as e:
-                results[rid] = RequestOutput(rid, ids, [], "", True, "error", error=str(e))
+                results[rid] = RequestOutput(rid, ids, [], "", "error", error=str(e))
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 results[out.request_id] = out

@@ -104,13 +104,6 @@ class LLMEngine:
         seq.finish_reason = "abort"
         return True
 
-    def fail_all(self) -> list[str]:
-        """Drop every request (after a failed step). Returns their ids."""
-        ids = list(self.requests)
-        for rid in ids:
-            self.abort(rid)
-        return ids
-
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -221,7 +214,6 @@ class LLMEngine:
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids,
             text=final_text(self.tokenizer, seq, strip_last=stop_token),
-            finished=True,
             finish_reason=seq.finish_reason,
             logprobs=seq.logprobs,
             num_cached_tokens=seq.num_cached_tokens,

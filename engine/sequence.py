@@ -19,13 +19,12 @@ class SequenceStatus(enum.Enum):
 
 @dataclass
 class RequestOutput:
-    """What ``LLMEngine.step()`` and ``LLM.generate()`` hand back for one request."""
+    """What ``LLMEngine.step()`` and ``LLM.generate()`` hand back for one finished request."""
 
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     logprobs: list[dict] | None = None  # per token: {"token_id", "logprob", "top": [(id, logprob), ...]}
     num_cached_tokens: int = 0

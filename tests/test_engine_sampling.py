@@ -59,7 +59,7 @@ def drain(eng: LLMEngine, rids: list[str], outs: dict | None = None) -> list:
         if not eng.has_unfinished():
             break
         for o in eng.step():
-            assert o.finished and o.request_id not in outs, o.request_id
+            assert o.finish_reason is not None and o.request_id not in outs, o.request_id
             outs[o.request_id] = o
     else:
         raise AssertionError("engine did not drain")
@@ -386,12 +386,12 @@ def test_all_blocks_return_after_many_requests(engine, prompts):
     system = {"role": "system", "content": "you are a good model . write a long answer to each question "
                                            "about the city , the sea and the sky please"}
     chats = [engine.encode_chat([system, {"role": "user", "content": t}]) for t in TEXTS * 3]
-    assert all(len(c) > 2 * batchery.engine.config.block_size for c in chats)
+    assert all(len(c) > 2 * engine.config.block_size for c in chats)
     params = [greedy(max_tokens=3 + i % 5) if i % 2 else sample(max_tokens=2 + i % 7, seed=i) for i in range(len(chats))]
     generate(engine, chats[:1], params[:1])  # warms the prefix cache with the system prompt
     outs = generate(engine, chats, params)  # generate() asserts the pool is full again
     assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
-    assert all(o.num_cached_tokens >= batchery.engine.config.block_size for o in outs)  # the shared system prompt
+    assert all(o.num_cached_tokens >= engine.config.block_size for o in outs)  # the shared system prompt
 
 
 # -- validation --------------------------------------------------------------------------------
