@@ -3,6 +3,7 @@ result's, each token with its text. Token texts are cached: one tokenizer serves
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypedDict
 
 TOKEN_CACHE_MAX = 1 << 18  # token texts kept; a vocabulary is smaller, so in practice all of them
@@ -43,7 +44,7 @@ class LogprobRenderer:
                 self._text[token_id] = s
         return s
 
-    def render(self, tokenizer: Decoder, entries: list[dict[str, Any]] | None) -> list[LogprobEntry] | None:
+    def render(self, tokenizer: Decoder, entries: Sequence[Mapping[str, Any]] | None) -> list[LogprobEntry] | None:
         """``entries`` as the engine gives them: per token ``{"token_id", "logprob", "top": [(id,
         logprob), ...]}``. None stays None (logprobs were not asked for)."""
         if entries is None:
