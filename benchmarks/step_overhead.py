@@ -68,7 +68,7 @@ def main() -> None:
     runner.forward = timed("forward (tiny model, CPU)", runner.forward)
     runner.sampler = timed("sampler (CPU)", runner.sampler)
     eng.block_manager.register_full_blocks = timed("register_full_blocks", eng.block_manager.register_full_blocks)
-    eng._check_finished = timed("check_finished", eng._check_finished)
+    eng.stop_checker.check = timed("check_stop", eng.stop_checker.check)
     for _ in range(3):
         eng.step()
     spent.clear()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
+from typing import Any, cast
 
 from batchery.engine.config import DEFAULT_MODEL, EngineConfig
 from batchery.engine.llm_engine import LLMEngine
@@ -19,29 +20,31 @@ from batchery.engine.sequence import RequestOutput
 
 
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", **engine_kwargs) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", **engine_kwargs: Any) -> None:
+        """``engine_kwargs``: any other ``EngineConfig`` field (``max_num_seqs``, ``device``, ...)."""
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine_kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
+    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids). Outputs come back in prompt order; a
         prompt the engine rejects (e.g. longer than the context) fails alone with
         ``finish_reason == "error"`` and ``error`` set."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        token_ids = [self.engine.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+        batch = cast("list[str | list[int]]", [prompts] if single else prompts)
+        token_ids = [self.engine.encode(p) if isinstance(p, str) else list(p) for p in batch]
         return self._run(token_ids, params)
 
-    def chat(self, conversations: list[list[dict]] | list[dict],
+    def chat(self, conversations: list[list[dict[str, Any]]] | list[dict[str, Any]],
              params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate a reply for each conversation (a list of ``{"role", "content"}`` messages)."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
-        return self._run([self.engine.encode_chat(c) for c in conversations], params)
+        single = bool(conversations) and isinstance(conversations[0], dict)
+        batch = cast("list[list[dict[str, Any]]]", [conversations] if single else conversations)
+        return self._run([self.engine.encode_chat(c) for c in batch], params)
 
-    def _run(self, token_ids: list[list[int]], params) -> list[RequestOutput]:
+    def _run(self, token_ids: list[list[int]],
+             params: SamplingParams | Seq[SamplingParams] | None) -> list[RequestOutput]:
         if params is None:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
@@ -50,7 +53,7 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(token_ids)} prompts")
         results: dict[str, RequestOutput] = {}
         order = []
-        for ids, p in zip(token_ids, params):
+        for ids, p in zip(token_ids, params, strict=True):
             rid = f"llm-{next(self._ids)}"
             order.append(rid)
             try:

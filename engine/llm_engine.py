@@ -5,17 +5,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from batchery.engine.block_manager import BlockManager
 from batchery.engine.config import EngineConfig
-from batchery.engine.detokenizer import append_text, final_text, find_stop
+from batchery.engine.detokenizer import final_text
 from batchery.engine.loader import LoadedModel, load_model
 from batchery.engine.model_runner import ModelRunner
 from batchery.engine.sampling import SamplingParams
-from batchery.engine.scheduler import Scheduler
-from batchery.engine.sequence import RequestOutput, Sequence, SequenceStatus
+from batchery.engine.scheduler import Scheduler, SchedulerOutput
+from batchery.engine.sequence import RequestOutput, Sequence
+from batchery.engine.stop_checker import STOP_TOKEN, StopChecker
 
 log = logging.getLogger("batchery.engine")
 
@@ -48,7 +50,7 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.eos_ids = _eos_ids(self.loaded)
+        self.stop_checker = StopChecker(self.tokenizer, _eos_ids(self.loaded), self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self.on_step_start: Callable[[list[Sequence]], None] | None = None
         self.num_steps = 0
@@ -61,11 +63,21 @@ class LLMEngine:
         self.num_oom = 0  # steps that ran out of memory and were shrunk
         self._oom_ok_steps = 0  # steps since the last OOM (or the last restore)
 
+    @property
+    def eos_ids(self) -> list[int]:
+        """The model's end-of-sequence token ids, held by the stop check (the sampler's
+        ``min_tokens`` ban reads the same list)."""
+        return self.stop_checker.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids: list[int]) -> None:
+        self.stop_checker.eos_ids = ids
+
     # -- tokenization ----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if hasattr(out, "keys"):
             out = out["input_ids"]
@@ -99,9 +111,7 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.remove(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "abort"
+        self.scheduler.finish(seq, "abort")
         return True
 
     def has_unfinished(self) -> bool:
@@ -116,43 +126,30 @@ class LLMEngine:
         try:
             if self.on_step_start is not None:
                 self.on_step_start(sched.seqs)
-            sample_seqs, tokens, entries = self.runner.run(sched.seqs, sched.num_new_tokens, self.eos_ids)
+            runner_out = self.runner.run(sched.seqs, sched.num_new_tokens, self.eos_ids)
         except torch.OutOfMemoryError as exc:
             self._shrink_after_oom(sched, exc)
             return []
         if self.scheduler.max_num_seqs < self.config.max_num_seqs or \
                 self.scheduler.max_num_batched_tokens < self.config.max_num_batched_tokens:
             self._maybe_restore_step_limits()
-        for seq, n in zip(sched.seqs, sched.num_new_tokens):
-            seq.num_computed_tokens += n
         self.num_steps += 1
         self.last_step_num_seqs = len(sched.seqs)
         self.last_step_num_tokens = sched.num_batched_tokens
         self._sum_batch_seqs += len(sched.seqs)
         self._sum_batch_tokens += sched.num_batched_tokens
 
-        finished: list[Sequence] = []
-        for seq, tok, entry in zip(sample_seqs, tokens, entries):
-            seq.token_ids.append(tok)
-            if entry is not None:
-                seq.logprobs.append(entry)
-            if self._check_finished(seq, tok):
-                finished.append(seq)
-        bm = self.block_manager
-        for seq in sched.seqs:
-            bm.register_full_blocks(seq)
+        finished = self.scheduler.update_from_output(sched, runner_out, self.stop_checker.check)
         outputs = []
         for seq in finished:
             self.requests.pop(seq.request_id, None)
-            self.scheduler.remove(seq)
-            seq.status = SequenceStatus.FINISHED
             self.num_generated_tokens += seq.num_output_tokens
             self.num_prompt_tokens += seq.num_prompt_tokens
             outputs.append(self._output(seq))
         return outputs
 
     # -- out of memory ---------------------------------------------------------------------
-    def _shrink_after_oom(self, sched, exc: BaseException) -> None:
+    def _shrink_after_oom(self, sched: SchedulerOutput, exc: BaseException) -> None:
         """A step ran out of accelerator memory. Nothing of it was committed (no token counted as
         computed, none sampled), so it can simply be scheduled again, smaller: halve the token
         budget and the number of sequences per step, and preempt the newest running sequences
@@ -165,12 +162,9 @@ class LLMEngine:
         self.num_oom += 1
         self._oom_ok_steps = 0
         self.last_step_num_seqs = self.last_step_num_tokens = 0
-        sch.max_num_batched_tokens = max(min(OOM_MIN_TOKENS, num_tokens), num_tokens // 2)
-        sch.max_num_seqs = max(1, min(sch.max_num_seqs, num_seqs // 2 or 1))
-        num_preempted = 0
-        while len(sch.running) > sch.max_num_seqs:
-            sch._preempt(max(sch.running, key=Sequence.sort_key))
-            num_preempted += 1
+        max_seqs = max(1, min(sch.max_num_seqs, num_seqs // 2 or 1))
+        max_tokens = max(min(OOM_MIN_TOKENS, num_tokens), num_tokens // 2)
+        num_preempted = sch.set_step_limits(max_seqs, max_tokens)
         del exc  # its traceback holds the step's activations
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
@@ -184,29 +178,13 @@ class LLMEngine:
             return
         self._oom_ok_steps = 0
         sch, cfg = self.scheduler, self.config
-        sch.max_num_seqs = min(cfg.max_num_seqs, sch.max_num_seqs * 2)
-        sch.max_num_batched_tokens = min(cfg.max_num_batched_tokens, sch.max_num_batched_tokens * 2)
+        sch.set_step_limits(max_num_seqs=min(cfg.max_num_seqs, sch.max_num_seqs * 2),
+                            max_num_batched_tokens=min(cfg.max_num_batched_tokens, sch.max_num_batched_tokens * 2))
         log.info("no out-of-memory error for %d steps: step limits back up to %d sequences and %d tokens",
                  OOM_RESTORE_STEPS, sch.max_num_seqs, sch.max_num_batched_tokens)
 
-    def _check_finished(self, seq: Sequence, tok: int) -> bool:
-        p = seq.params
-        # the sampler bans stop tokens until min_tokens, so any stop token here ends the request
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
-            seq.finish_reason = "stop_token"
-            return True
-        if p.stop:
-            append_text(self.tokenizer, seq)
-            if find_stop(seq) >= 0:
-                seq.finish_reason = "stop"
-                return True
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
-            return True
-        return False
-
     def _output(self, seq: Sequence) -> RequestOutput:
-        stop_token = seq.finish_reason == "stop_token"
+        stop_token = seq.finish_reason == STOP_TOKEN
         if stop_token:
             seq.finish_reason = "stop"
         return RequestOutput(
@@ -220,7 +198,8 @@ class LLMEngine:
         )
 
     # -- stats -----------------------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int | float]:
+        """Counters and gauges of the engine (the worker's metrics read these keys)."""
         bm = self.block_manager
         steps = max(self.num_steps, 1)
         return {

@@ -20,6 +20,7 @@ from batchery.engine.attention.metadata import AttentionMetadata, PrefillSeq, se
 from batchery.engine.config import EngineConfig
 from batchery.engine.cuda_graphs import DecodeGraphs
 from batchery.engine.loader import LoadedModel
+from batchery.engine.outputs import ModelRunnerOutput
 from batchery.engine.packed_step import PackedPrefill, PackedStep, padded_tables
 from batchery.engine.sampler import Sampler
 from batchery.engine.sequence import Sequence
@@ -205,9 +206,9 @@ class ModelRunner:
         """ids, pos [1, num_tokens]; keep: the rows to compute logits for. Returns [num_keep, vocab]."""
         return run_model(self.model, ids, pos, md, keep)
 
-    def run(self, seqs: list[Sequence], num_new_tokens: list[int],
-            eos_ids: list[int]) -> tuple[list[Sequence], list[int], list[dict | None]]:
-        """One engine step on the device. Returns (sampled seqs, token ids, logprob entries)."""
+    def run(self, seqs: list[Sequence], num_new_tokens: list[int], eos_ids: list[int]) -> ModelRunnerOutput:
+        """One engine step on the device: the scheduled tokens through the model, then a token sampled
+        for every sequence that is now fully computed."""
         p = self.pack(seqs, num_new_tokens)
         if self.graphs is not None and not p.prefills and len(p.decode_lens) <= self.graphs.max_size:
             logits = self.graphs.run(p)
@@ -218,6 +219,6 @@ class ModelRunner:
                 keep = keep.new_zeros(1)  # a pure partial-prefill step: compute K/V, sample nothing
             logits = self.forward(ids, pos, keep, md)
             if not sample_seqs:
-                return [], [], []
+                return ModelRunnerOutput()
         tokens, entries = self.sampler(logits, sample_seqs, eos_ids)
-        return sample_seqs, tokens, entries
+        return ModelRunnerOutput(sample_seqs, tokens, entries)

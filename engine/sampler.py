@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from batchery.engine.sequence import Sequence
+from batchery.engine.sampling import SamplingParams
+from batchery.engine.sequence import Sequence, TokenLogprobs
 
 
 class Sampler:
@@ -23,7 +24,8 @@ class Sampler:
         return seq.generator
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> tuple[list[int], list[dict | None]]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 eos_ids: list[int]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [num_seqs, vocab]. Returns the sampled token id and logprob entry of each seq."""
         logits = logits.float()
         params = [s.params for s in seqs]
@@ -32,9 +34,9 @@ class Sampler:
 
         if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
             logits = self._apply_penalties(logits, seqs)
-        if any(p.min_tokens and s.num_output_tokens < p.min_tokens for s, p in zip(seqs, params)):
+        if any(p.min_tokens and s.num_output_tokens < p.min_tokens for s, p in zip(seqs, params, strict=True)):
             logits = logits.clone()
-            for i, (s, p) in enumerate(zip(seqs, params)):
+            for i, (s, p) in enumerate(zip(seqs, params, strict=True)):
                 if s.num_output_tokens < p.min_tokens:
                     banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
                     if banned:
@@ -61,16 +63,16 @@ class Sampler:
             tokens[idx] = (probs / noise).argmax(dim=-1)
 
         token_list = tokens.tolist()
-        entries: list[dict | None] = [None] * len(seqs)
+        entries: list[TokenLogprobs | None] = [None] * len(seqs)
         if raw_logprobs is not None:
             for i, p in enumerate(params):
                 if p.logprobs is None:
                     continue
                 tok = token_list[i]
-                entry = {"token_id": tok, "logprob": float(raw_logprobs[i, tok]), "top": []}
+                entry: TokenLogprobs = {"token_id": tok, "logprob": float(raw_logprobs[i, tok]), "top": []}
                 if p.logprobs:
                     vals, ids = raw_logprobs[i].topk(p.logprobs)
-                    entry["top"] = list(zip(ids.tolist(), vals.tolist()))
+                    entry["top"] = list(zip(ids.tolist(), vals.tolist(), strict=True))
                 entries[i] = entry
         return token_list, entries
 
@@ -97,7 +99,7 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _apply_top_k_top_p_min_p(logits: torch.Tensor, params: list) -> torch.Tensor:
+    def _apply_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         dev = logits.device
         vocab = logits.shape[1]
         if any(p.top_k for p in params):

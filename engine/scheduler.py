@@ -8,14 +8,18 @@ import bisect
 from dataclasses import dataclass, field
 
 from batchery.engine.block_manager import BlockManager
+from batchery.engine.outputs import ModelRunnerOutput
 from batchery.engine.sequence import Sequence, SequenceStatus
+from batchery.engine.stop_checker import StopCheck
 
 
 @dataclass
 class SchedulerOutput:
-    seqs: list[Sequence] = field(default_factory=list)
+    """One step's work, handed to the model runner and back to ``update_from_output``."""
+
+    seqs: list[Sequence] = field(default_factory=list)  # the sequences computed this step, in admission order
     num_new_tokens: list[int] = field(default_factory=list)  # per seq, tokens computed this step
-    num_preempted: int = 0
+    num_preempted: int = 0  # running sequences preempted while scheduling it
 
     @property
     def num_batched_tokens(self) -> int:
@@ -50,6 +54,51 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free_seq(seq)
 
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence now (it stopped, or was aborted): drop it and release its blocks."""
+        self.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def update_from_output(self, out: SchedulerOutput, runner_out: ModelRunnerOutput,
+                           check_stop: StopCheck) -> list[Sequence]:
+        """After the step ``out`` ran: count its tokens as computed, append each sampled token (and
+        its logprobs), publish newly full blocks to the prefix cache, and finish the sequences
+        ``check_stop`` says are done. Returns those, in sampling order."""
+        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+        finished: list[tuple[Sequence, str]] = []
+        for seq, tok, entry in zip(runner_out.sampled_seqs, runner_out.token_ids, runner_out.logprobs, strict=True):
+            seq.token_ids.append(tok)
+            if entry is not None:
+                assert seq.logprobs is not None  # the sampler gives entries only to requests that ask for them
+                seq.logprobs.append(entry)
+            reason = check_stop(seq, tok)
+            if reason is not None:
+                finished.append((seq, reason))
+        bm = self.block_manager
+        for seq in out.seqs:
+            bm.register_full_blocks(seq)
+        for seq, reason in finished:
+            self.finish(seq, reason)
+        return [seq for seq, _ in finished]
+
+    def set_step_limits(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+        """Change the per-step limits (the engine halves them after an out-of-memory step and
+        restores them later). Running sequences beyond ``max_num_seqs`` are preempted, the
+        lowest-priority, newest first. Returns how many were."""
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        num_preempted = 0
+        while len(self.running) > max_num_seqs:
+            self._preempt(self._preemption_victim())
+            num_preempted += 1
+        return num_preempted
+
+    def _preemption_victim(self) -> Sequence:
+        """The running sequence to give up first: the lowest priority, and the newest within it."""
+        return max(self.running, key=Sequence.sort_key)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free_seq(seq)
@@ -70,7 +119,7 @@ class Scheduler:
             while not bm.can_allocate(seq, n):
                 # Out of blocks: preempt the lowest-priority, newest running sequence, even one
                 # already scheduled this step (it is taken back out of the step).
-                victim = max(self.running, key=Sequence.sort_key)
+                victim = self._preemption_victim()
                 if self.running.index(victim) < i:
                     k = out.seqs.index(victim)
                     budget += out.num_new_tokens.pop(k)

@@ -7,8 +7,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict
 
 from batchery.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:  # annotations only: this module stays free of torch at run time
+    import torch
 
 
 class SequenceStatus(enum.Enum):
@@ -17,18 +21,26 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class TokenLogprobs(TypedDict):
+    """The logprobs of one sampled token (a plain dict at run time)."""
+
+    token_id: int  # the sampled token
+    logprob: float  # its log-probability under the model's distribution (before penalties and temperature)
+    top: list[tuple[int, float]]  # the top-N (token id, logprob) pairs, most likely first; [] when N is 0
+
+
 @dataclass
 class RequestOutput:
     """What ``LLMEngine.step()`` and ``LLM.generate()`` hand back for one finished request."""
 
     request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
+    prompt_token_ids: list[int]  # the prompt as the engine ran it
+    token_ids: list[int]  # the generated tokens (a stop token included; it is left out of ``text``)
+    text: str  # the generated text, a matched stop string and what follows it cut off
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
-    logprobs: list[dict] | None = None  # per token: {"token_id", "logprob", "top": [(id, logprob), ...]}
-    num_cached_tokens: int = 0
-    error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per generated token; None unless the request asked
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # why the request failed, with finish_reason "error"
 
 
 class Sequence:
@@ -53,14 +65,14 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of the leading full, computed blocks
         self.num_preemptions = 0
         self.finish_reason: str | None = None
-        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         # incremental detokenization state (used only when stop strings are set)
         self.text = ""
         self.prefix_offset = 0
         self.read_offset = 0
         self.stop_checked_len = 0
-        # runtime extras owned by the runner (per-request generator); never read by the scheduler
-        self.generator = None
+        # runtime extras owned by the runner (per-request torch.Generator); never read by the scheduler
+        self.generator: torch.Generator | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

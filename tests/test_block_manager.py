@@ -72,7 +72,8 @@ def probe_hits(bm: BlockManager, tokens) -> int:
 
 
 def test_pure_python_modules_do_not_import_torch():
-    code = ("import sys, batchery.engine.scheduler, batchery.engine.block_manager, batchery.engine.sequence, batchery.engine.sampling; "
+    code = ("import sys, batchery.engine.scheduler, batchery.engine.block_manager, batchery.engine.sequence, "
+            "batchery.engine.sampling, batchery.engine.outputs, batchery.engine.stop_checker; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -1,8 +1,9 @@
 """Unit tests of the iteration-level scheduler: admission order (FCFS, priority), max_num_seqs,
 the token budget, decode before prefill, chunked prefill, preemption by recompute and block
-accounting. Steps are simulated the way ``LLMEngine.step`` runs them (advance
-``num_computed_tokens``, append a sampled token once a sequence is fully computed, publish full
-blocks, remove finished sequences).
+accounting. Steps run the way ``LLMEngine.step`` runs them: ``schedule()``, a fake model that
+'samples' a token for every sequence the step fully computes, then the scheduler's own
+``update_from_output`` (advance ``num_computed_tokens``, append the tokens, publish full blocks,
+finish what the stop check says is done).
 
 Pure Python: nothing here imports torch (see test_block_manager for the subprocess check)."""
 
@@ -10,13 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from batchery.engine.block_manager import BlockManager
+from batchery.engine.outputs import ModelRunnerOutput
 from batchery.engine.sampling import SamplingParams
-from batchery.engine.scheduler import Scheduler
+from batchery.engine.scheduler import Scheduler, SchedulerOutput
 from batchery.engine.sequence import Sequence, SequenceStatus
 
 BS = 4
@@ -50,24 +51,20 @@ class Sim:
     def next_token(seq: Sequence) -> int:
         return 1000 + seq.num_tokens
 
+    def check_stop(self, seq: Sequence, tok: int) -> str | None:
+        return "length" if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len \
+            else None
+
     def step(self):
         out = self.sched.schedule()
         assert len(out.seqs) == len(out.num_new_tokens)
         self.history.append([(s.request_id, n) for s, n in zip(out.seqs, out.num_new_tokens)])
         for seq, n in zip(out.seqs, out.num_new_tokens):
             assert len(seq.block_table) * self.bm.block_size >= seq.num_computed_tokens + n
-            seq.num_computed_tokens += n
-        sampled = [s for s in out.seqs if s.num_computed_tokens == s.num_tokens]
-        done = []
-        for seq in sampled:
-            seq.token_ids.append(self.next_token(seq))
-            if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-                done.append(seq)
-        for seq in out.seqs:
-            self.bm.register_full_blocks(seq)
-        for seq in done:
-            self.sched.remove(seq)
-            seq.status = SequenceStatus.FINISHED
+        finished = self.sched.update_from_output(out, fake_model(out, self.next_token), self.check_stop)
+        for seq in finished:
+            assert seq.status == SequenceStatus.FINISHED and seq.finish_reason == "length"
+            assert seq not in self.sched.running and seq.block_table == []
             self.finished.append(seq.request_id)
         return out
 
@@ -87,6 +84,12 @@ class Sim:
     def assert_pool_full(self) -> None:
         assert self.bm.num_free_blocks == self.bm.num_blocks
         assert self.bm.ref_counts == [0] * self.bm.num_blocks
+
+
+def fake_model(out: SchedulerOutput, next_token) -> ModelRunnerOutput:
+    """What the model runner hands back for ``out``: a token for each sequence the step completes."""
+    sampled = [s for s, n in zip(out.seqs, out.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
+    return ModelRunnerOutput(sampled, [next_token(s) for s in sampled], [None] * len(sampled))
 
 
 def ids(seqs) -> list[str]:
@@ -249,6 +252,41 @@ def test_out_of_blocks_preempts_the_newest_running_sequence_and_readmits_it():
     sim.assert_pool_full()
 
 
+def test_set_step_limits_preempts_the_lowest_priority_newest_beyond_the_new_limit():
+    """The engine's out-of-memory shrink: lower limits take effect at once, the running sequences
+    beyond them go back to waiting (blocks freed, tokens kept), and raised limits re-admit them."""
+    sim = Sim(64, max_num_seqs=4)
+    a, b = sim.add("a", [1, 2, 3], max_tokens=6), sim.add("b", [4, 5, 6], max_tokens=6)
+    c = sim.add("c", [7, 8, 9], max_tokens=6, priority=1)
+    d = sim.add("d", [10, 11, 12], max_tokens=6)
+    sim.step()
+    assert ids(sim.sched.running) == ["a", "b", "d", "c"]  # admitted by priority, then arrival
+    assert sim.sched.set_step_limits(2, 7) == 2
+    assert (sim.sched.max_num_seqs, sim.sched.max_num_batched_tokens) == (2, 7)
+    assert ids(sim.sched.running) == ["a", "b"] and ids(sim.sched.waiting) == ["d", "c"]
+    assert c.block_table == [] == d.block_table and c.num_output_tokens == d.num_output_tokens == 1
+    assert c.num_preemptions == d.num_preemptions == 1 and sim.sched.num_preemptions == 2
+    assert ids(sim.step().seqs) == ["a", "b"]
+    assert sim.sched.set_step_limits(4, 1024) == 0  # raising preempts nothing
+    assert ids(sim.step().seqs) == ["a", "b", "d", "c"]
+    sim.run()
+    assert sorted(sim.finished) == ["a", "b", "c", "d"] and all(s.num_output_tokens == 6 for s in (a, b, c, d))
+    sim.assert_pool_full()
+
+
+def test_finish_drops_a_sequence_and_frees_its_blocks():
+    sim = Sim(16)
+    a = sim.add("a", [1, 2, 3, 4, 5], max_tokens=4)
+    sim.add("b", [6, 7], max_tokens=4)
+    sim.step()
+    sim.sched.finish(a, "abort")
+    assert a.status == SequenceStatus.FINISHED and a.finish_reason == "abort" and a.block_table == []
+    assert ids(sim.sched.running) == ["b"]
+    sim.run()
+    assert sim.finished == ["b"]
+    sim.assert_pool_full()
+
+
 def test_no_admissions_in_a_step_that_preempted():
     sim = Sim(4, max_num_seqs=8)
     sim.add("a", [1, 2, 3, 4], max_tokens=8)
@@ -401,8 +439,7 @@ def simulate(reqs: list[Req], num_blocks: int, block_size: int, max_num_seqs: in
         if step in abort_at and sim.sched.has_unfinished():
             live = sim.sched.running + sim.sched.waiting
             victim = live[abort_at[step] % len(live)]
-            sim.sched.remove(victim)
-            victim.status = SequenceStatus.FINISHED
+            sim.sched.finish(victim, "abort")
             aborted.add(victim.request_id)
         if not pending and not sim.sched.has_unfinished():
             break
@@ -434,20 +471,9 @@ def simulate(reqs: list[Req], num_blocks: int, block_size: int, max_num_seqs: in
             assert len(t) * block_size >= s.num_computed_tokens + n
             for p in range(s.num_computed_tokens, s.num_computed_tokens + n):
                 kv[(t[p // block_size], p % block_size)] = tuple(s.token_ids[: p + 1])
-        # finish the step as the engine does
-        for s, n in zip(out.seqs, out.num_new_tokens):
-            s.num_computed_tokens += n
-        done = []
-        for s in out.seqs:
-            if s.num_computed_tokens == s.num_tokens:
-                s.token_ids.append(1 + (sum(s.token_ids) % 3))  # outputs share the prompt alphabet
-                if s.num_output_tokens >= s.params.max_tokens or s.num_tokens >= max_len:
-                    done.append(s)
-        for s in out.seqs:
-            sim.bm.register_full_blocks(s)
-        for s in done:
-            sched.remove(s)
-            s.status = SequenceStatus.FINISHED
+        # finish the step as the engine does; outputs share the prompt alphabet
+        runner_out = fake_model(out, lambda s: 1 + (sum(s.token_ids) % 3))
+        for s in sched.update_from_output(out, runner_out, sim.check_stop):
             sim.finished.append(s.request_id)
     else:
         raise AssertionError("did not drain")
