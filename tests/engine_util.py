@@ -20,7 +20,8 @@ CHAT_PROMPTS = [
     "Why is the sky blue?",
     "Suggest a name for a bakery.",
     "What does a compiler do?",
-    "Tell me a short story about a robot and a dog. Make it cheerful and include a surprise ending that nobody expects.",
+    "Tell me a short story about a robot and a dog. Make it cheerful and include a surprise ending that nobody "
+    "expects.",
     "How do I boil an egg?",
     "Summarize the plot of Romeo and Juliet.",
     "What are the benefits of regular exercise?",

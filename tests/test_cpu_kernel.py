@@ -139,7 +139,8 @@ def test_fast_linear_bf16_matches_torch(rows, bias):
     x = torch.randn(3, rows, 96).to(torch.bfloat16)
     with torch.inference_mode():
         want = lin(x).float()
-        exact = torch.nn.functional.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
+        bias32 = None if lin.bias is None else lin.bias.float()
+        exact = torch.nn.functional.linear(x.float(), lin.weight.float(), bias32)
         assert fast_linear.install(torch.nn.Sequential(lin), max_rows=-1) == 1
         got = lin(x)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape

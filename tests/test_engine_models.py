@@ -8,13 +8,13 @@ import random
 
 import pytest
 import torch
+from engine_util import hf_greedy
+from tiny_model import build_tokenizer
 
 from batchery.engine.config import EngineConfig
 from batchery.engine.llm_engine import LLMEngine
 from batchery.engine.loader import load_model
 from batchery.engine.sampling import SamplingParams
-from engine_util import hf_greedy
-from tiny_model import build_tokenizer
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2)

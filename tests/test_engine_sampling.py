@@ -180,7 +180,8 @@ def test_negative_presence_penalty_makes_greedy_repeat(engine, prompts):
 
 
 def test_penalties_of_one_request_do_not_leak_into_its_batch(engine, prompts, reference):
-    outs = generate(engine, prompts, [greedy(repetition_penalty=10.0), greedy(), greedy(frequency_penalty=2.0), greedy()])
+    params = [greedy(repetition_penalty=10.0), greedy(), greedy(frequency_penalty=2.0), greedy()]
+    outs = generate(engine, prompts, params)
     assert outs[1].token_ids == reference[1] and outs[3].token_ids == reference[3]
 
 
@@ -387,7 +388,8 @@ def test_all_blocks_return_after_many_requests(engine, prompts):
                                            "about the city , the sea and the sky please"}
     chats = [engine.encode_chat([system, {"role": "user", "content": t}]) for t in TEXTS * 3]
     assert all(len(c) > 2 * engine.config.block_size for c in chats)
-    params = [greedy(max_tokens=3 + i % 5) if i % 2 else sample(max_tokens=2 + i % 7, seed=i) for i in range(len(chats))]
+    params = [greedy(max_tokens=3 + i % 5) if i % 2 else sample(max_tokens=2 + i % 7, seed=i)
+              for i in range(len(chats))]
     generate(engine, chats[:1], params[:1])  # warms the prefix cache with the system prompt
     outs = generate(engine, chats, params)  # generate() asserts the pool is full again
     assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]

@@ -5,12 +5,12 @@ and prefix-cache hits."""
 from __future__ import annotations
 
 import pytest
+from engine_util import CHAT_PROMPTS, hf_greedy
 
 from batchery.engine.config import EngineConfig
 from batchery.engine.llm_engine import LLMEngine
 from batchery.engine.loader import load_model
 from batchery.engine.sampling import SamplingParams
-from engine_util import CHAT_PROMPTS, hf_greedy
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 48
