@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from batchery.contract.installs import worker_install_hint
+from batchery.contract.settings import add_worker_arguments, worker_argv, worker_overrides
 
 
 @dataclass(frozen=True)
@@ -26,11 +27,6 @@ class Command:
 
 
 # -- worker ---------------------------------------------------------------------------------------
-def _worker_args(p: argparse.ArgumentParser) -> None:
-    p.description = "Run a worker (python -m batchery.worker; its own --help lists the flags)."
-    p.add_argument("worker_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-
-
 def _worker_run(args: argparse.Namespace) -> int:
     """Become ``python -m batchery.worker`` (exec: same process, so signals and the exit code are the
     worker's). The CLI never imports the worker: the light install has none."""
@@ -40,7 +36,7 @@ def _worker_run(args: argparse.Namespace) -> int:
         return 2
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "batchery.worker", *args.worker_args])
+    os.execv(sys.executable, [sys.executable, "-m", "batchery.worker", *worker_argv(worker_overrides(args))])
     return 1  # not reached
 
 
@@ -327,7 +323,7 @@ COMMANDS: dict[str, Command] = {
     "run": Command("run a JSONL batch file end to end (embedded Redis and worker unless a broker is set)",
                    _run_args, _run_run),
     "batch": Command("submit, follow, download and cancel batch jobs", _batch_args, lambda args: 2),
-    "worker": Command("run a worker", _worker_args, _worker_run),
+    "worker": Command("run a worker", add_worker_arguments, _worker_run),
     "health": Command("check a worker's health endpoints (exit code for healthchecks)", _health_args, _health_run),
 }
 
@@ -336,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchery", description="Queue-driven batch LLM inference.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, cmd in COMMANDS.items():
-        p = sub.add_parser(name, help=cmd.help, add_help=name != "worker")  # the worker has its own --help
+        p = sub.add_parser(name, help=cmd.help)
         cmd.add_arguments(p)
         p.set_defaults(_run=cmd.run)
     return parser

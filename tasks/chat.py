@@ -43,7 +43,7 @@ from batchery.contract.schemas import (
     check_timeout,
     describe_validation_error,
 )
-from batchery.worker.service import GenerationRequest, GenerationResult
+from batchery.contract.generation import GenerationRequest, GenerationResult
 from batchery.contract.errors import DeadlineExceeded, EngineFailure, EngineUnavailable, InvalidRequest, RequestCancelled
 
 CANCEL_POLL_S = 0.25  # how often a cancellable request checks its job while it waits

@@ -20,6 +20,7 @@ import logging
 import threading
 
 from batchery.broker.connection import redis_from_url
+from batchery.contract.errors import EngineFailure
 from batchery.jobs.strikes import Strikes
 from batchery.tasks.stores import app_resource
 
@@ -70,10 +71,10 @@ def prepare(task, gen):
     return dataclasses.replace(gen, solo=True)
 
 
-def record(task, exc) -> None:
+def record(task, exc: EngineFailure) -> None:
     """Count a strike if ``exc`` (an ``EngineFailure``) says the request was in the failing step."""
     after = task.app.batchery_settings.quarantine.after
-    if after <= 0 or not getattr(exc, "struck", False):
+    if after <= 0 or not exc.struck:
         return
     try:
         n = strikes(task.app).add(task.request.id)

@@ -147,7 +147,7 @@ def test_each_line_delivered_twice_counts_once(bclient, tiny_worker):
         return sum(log.count(f"batch_line[{job_id}-{line}] succeeded") for line in range(1, n + 1)) == 2 * n and log
 
     log = wait_for(second_deliveries, 30, what="both deliveries of every line to be handled")
-    dup = log.count("already recorded (duplicate delivery)") + log.count("'skipped (done)'")
+    dup = log.count("already recorded (duplicate delivery)") + log.count("s: skipped (done)")
     assert dup >= n
 
 
@@ -178,9 +178,9 @@ def test_cancel_mid_job(workers):
              what="an empty engine")
     r = redis_client(TEST_BROKER_URL)
     wait_for(lambda: r.llen(w.queue) == 0, 30, what="the queue to drain")
-    wait_for(lambda: w.count(r"'cancelled'") + w.count(r"'skipped \(cancel") >= 44 - counts.completed, 30,
+    wait_for(lambda: w.count(r"s: cancelled |") + w.count(r"s: skipped \(cancel") >= 44 - counts.completed, 30,
              what="every unfinished line to be aborted or skipped")
-    assert w.count(r"'cancelled'") >= 1  # at least one line was aborted while running
+    assert w.count(r"s: cancelled |") >= 1  # at least one line was aborted while running
     assert c.batch_status(job_id).request_counts == counts  # and nothing moves afterwards
     c.jobs.delete(job_id)
     c.close()

@@ -100,13 +100,13 @@ def test_oom_shrinks_the_step_and_changes_no_output(tiny_model_dir):
     def hook(seqs):
         calls[0] += 1
         if calls[0] in (2, 3, 9):
-            limits.append((len(seqs), batchery.engine.scheduler.max_num_seqs))
+            limits.append((len(seqs), engine.scheduler.max_num_seqs))
             raise torch.OutOfMemoryError(f"injected at call {calls[0]}")
 
     engine.on_step_start = hook
     shrunk = generate(engine, prompts, params)
     assert shrunk == clean
-    assert engine.num_oom == 3 and batchery.engine.scheduler.num_preemptions > 0
+    assert engine.num_oom == 3 and engine.scheduler.num_preemptions > 0
     assert limits[0] == (16, 16) and limits[1][1] == 8  # the second OOM met the halved limit
     st = engine.stats()
     assert st["max_num_seqs"] < 16 and st["kv_blocks_free"] == st["kv_blocks_total"]

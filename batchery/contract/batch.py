@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import IO
+from typing import Any, IO, NoReturn
 
 from pydantic import BaseModel, ValidationError
 
@@ -76,11 +76,11 @@ class _TooLarge:
         self.size = size
 
 
-def _refuse_constant(name: str):
+def _refuse_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _loads(raw: bytes | str):
+def _loads(raw: bytes | str) -> Any:
     return json.loads(raw, parse_constant=_refuse_constant)
 
 
@@ -114,7 +114,7 @@ def too_large(line: int, size: int, max_line_bytes: int) -> LineError:
                      f"the line has {size} bytes; the limit is {max_line_bytes} (BATCHERY_BATCH__MAX_LINE_BYTES)")
 
 
-def parse_object(obj, line: int, seen: set[str] | None = None) -> BatchLine | LineError:
+def parse_object(obj: Any, line: int, seen: set[str] | None = None) -> BatchLine | LineError:
     """A decoded line (or an item of an iterable submission) -> a request or an error record."""
     if not isinstance(obj, dict):
         return LineError(line, None, INVALID_LINE, f"expected a JSON object, got {_json_type(obj)}")
@@ -142,7 +142,7 @@ def parse_object(obj, line: int, seen: set[str] | None = None) -> BatchLine | Li
         return LineError(line, custom_id, UNSUPPORTED_METHOD, f"method must be \"POST\", got {_short(method)}")
     url = obj.get("url")
     schema = ENDPOINTS.get(url) if isinstance(url, str) else None
-    if schema is None:
+    if schema is None or not isinstance(url, str):
         return LineError(line, custom_id, UNSUPPORTED_URL,
                          f"url must be one of {', '.join(ENDPOINTS)}, got {_short(url)}")
     body = obj.get("body")
@@ -221,7 +221,7 @@ def line_error_record(job_id: str, err: LineError) -> dict:
     return error_record(job_id, err.line, err.custom_id, err.code, err.message)
 
 
-def _json_type(v) -> str:
+def _json_type(v: Any) -> str:
     if v is None:
         return "null"
     if isinstance(v, bool):
@@ -237,7 +237,7 @@ def _json_type(v) -> str:
     return type(v).__name__
 
 
-def _short(v, limit: int = 80) -> str:
+def _short(v: Any, limit: int = 80) -> str:
     try:
         s = json.dumps(v)
     except (TypeError, ValueError, RecursionError):

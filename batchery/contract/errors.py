@@ -55,6 +55,7 @@ class EngineFailure(BatcheryError):
     outcome = Outcome.ENGINE_ERROR
     status_code = 500
     retryable = True
+    struck = False  # set on the failures of the requests that were in the failing step (quarantine)
 
 
 class EngineCrash(BatcheryError):

@@ -106,7 +106,7 @@ class _SamplingFields(_Strict):
 
     @field_validator("stop")
     @classmethod
-    def _check_stop(cls, v):
+    def _check_stop(cls, v: Any) -> Any:
         if isinstance(v, str):
             if not v:
                 raise ValueError("stop must not be an empty string")

@@ -7,6 +7,8 @@ This module is imported by the client too, so it stays light: no torch, no engin
 
 from __future__ import annotations
 
+import argparse
+
 import re
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -212,8 +214,39 @@ class Settings(BaseSettings):
         return d
 
 
+# -- the worker's command-line flags (``batchery worker`` and ``python -m batchery.worker``) -------------
+WORKER_DESCRIPTION = ("Run a worker: load the model, then consume its queue. Configured by BATCHERY_* variables; "
+                      "the flags below override them.")
+# flag, Settings field, type, help
+WORKER_FLAGS: tuple[tuple[str, str, type, str], ...] = (
+    ("--model", "model", str, "model name, local HF directory or .gguf file (BATCHERY_MODEL)"),
+    ("--queue", "queue", str, "queue to consume (BATCHERY_QUEUE; default derived from the model)"),
+    ("--concurrency", "concurrency", int, "task threads (BATCHERY_CONCURRENCY)"),
+    ("--health-port", "health_port", int, "health endpoint port; 0 disables (BATCHERY_HEALTH_PORT)"),
+    ("--log-level", "log_level", str, "DEBUG, INFO, WARNING, ... (BATCHERY_LOG_LEVEL)"),
+)
+
+
+def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    """The worker's flags on ``p``: each overrides one ``Settings`` field."""
+    p.description = WORKER_DESCRIPTION
+    for flag, dest, typ, help_text in WORKER_FLAGS:
+        p.add_argument(flag, dest=dest, type=typ, help=help_text)
+
+
+def worker_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """The ``Settings`` overrides the worker's flags in ``args`` ask for."""
+    return {dest: getattr(args, dest) for _flag, dest, _typ, _help in WORKER_FLAGS if getattr(args, dest) is not None}
+
+
+def worker_argv(overrides: dict[str, object]) -> list[str]:
+    """The flags that ask for ``overrides`` again (to hand them to another process)."""
+    return [part for flag, dest, _typ, _help in WORKER_FLAGS if dest in overrides
+            for part in (flag, str(overrides[dest]))]
+
+
 # -- the configuration table (docs/operations.md) ------------------------------------------------------
-def _shown(value) -> str:
+def _shown(value: object) -> str:
     if value is None:
         return "(unset)"
     if isinstance(value, bool):

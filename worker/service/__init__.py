@@ -1,7 +1,7 @@
 """The engine service: one engine per worker process, split by concern.
 
-- ``intake``: ``GenerationRequest`` / ``GenerationResult``, the pending-request record, and
-  turning a request into engine input;
+- ``intake``: the pending-request record, and turning a request (``GenerationRequest``, defined in
+  ``batchery.contract.generation`` with ``GenerationResult``) into engine input;
 - ``admission``: the quarantine lanes (held work, solo runs);
 - ``loop``: the loop thread (gathering bursts, applying operations, stepping, resolving futures);
 - ``canary``, ``triage``, ``supervisor``: after a failure, who pays, who is carried over, the
@@ -15,7 +15,7 @@ Imports only the engine and the contract (never the Celery worker above it). Imp
 package does not import torch: the engine is imported when the first engine is built."""
 
 from batchery.worker.service.api import EngineService
-from batchery.worker.service.intake import GenerationRequest, GenerationResult
+from batchery.contract.generation import GenerationRequest, GenerationResult
 from batchery.worker.service.state import EngineState
 
 __all__ = ["EngineService", "EngineState", "GenerationRequest", "GenerationResult"]

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from batchery.contract.errors import DeadlineExceeded, EngineUnavailable, WorkerShuttingDown
 from batchery.worker.service.faults import Fault
-from batchery.worker.service.intake import GenerationRequest, GenerationResult, Pending
+from batchery.contract.generation import GenerationRequest, GenerationResult
+from batchery.worker.service.intake import Pending
 from batchery.worker.service.shared import SHUTTING_DOWN, AbortOp, AddOp, ServiceOptions, Shared, fail
 from batchery.worker.service.state import EngineState
 from batchery.worker.service.stats import Health, ServiceStats

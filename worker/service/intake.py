@@ -1,5 +1,5 @@
-"""Request intake: what a task asks for (``GenerationRequest``), what it gets back
-(``GenerationResult``), the service's record of a request in flight (``Pending``), and turning a
+"""Request intake: what a task asks for (``GenerationRequest``) and what it gets back
+(``GenerationResult``), both defined in the contract (``batchery.contract.generation``); the service's record of a request in flight (``Pending``), and turning a
 request into engine input (token ids and ``SamplingParams``)."""
 
 from __future__ import annotations
@@ -10,38 +10,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from batchery.contract.errors import ContextLengthExceeded, InvalidRequest
-from batchery.worker.service.logprobs import LogprobEntry
+from batchery.contract.generation import GenerationRequest, GenerationResult, LogprobEntry
 
 if TYPE_CHECKING:
     from batchery.engine.llm_engine import LLMEngine
     from batchery.engine.sampling import SamplingParams
     from batchery.engine.sequence import RequestOutput
-
-
-@dataclass
-class GenerationRequest:
-    """What a task asks for. Exactly one of ``messages``, ``prompt``, ``prompt_token_ids``."""
-
-    messages: list[dict[str, Any]] | None = None
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs; max_tokens None -> fill the context
-    priority: int = 0
-    solo: bool = False  # quarantined: run alone, with no other request in the engine
-
-
-@dataclass
-class GenerationResult:
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    logprobs: list[LogprobEntry] | None  # per token, with its top alternatives; None unless asked for
-    submitted_at: float  # wall-clock times (time.time()), for latency accounting
-    added_at: float
-    finished_at: float
 
 
 @dataclass

@@ -4,7 +4,9 @@ result's, each token with its text. Token texts are cached: one tokenizer serves
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, TypedDict
+from typing import Any, Protocol
+
+from batchery.contract.generation import LogprobEntry, TopLogprob
 
 TOKEN_CACHE_MAX = 1 << 18  # token texts kept; a vocabulary is smaller, so in practice all of them
 
@@ -13,21 +15,6 @@ class Decoder(Protocol):
     """What rendering needs of a tokenizer."""
 
     def decode(self, token_ids: list[int]) -> str: ...
-
-
-class TopLogprob(TypedDict):
-    token: str
-    token_id: int
-    logprob: float
-
-
-class LogprobEntry(TypedDict):
-    """One generated token: its text, id and logprob, and the top alternatives at that position."""
-
-    token: str
-    token_id: int
-    logprob: float
-    top: list[TopLogprob]
 
 
 class LogprobRenderer:

@@ -49,7 +49,7 @@ def triage(pending: Iterable[Pending], in_step: set[str], solo_attempts: int) ->
 def struck_error(reason: str) -> EngineFailure:
     """For the requests in the failing step: retried, and the task counts a strike towards quarantine."""
     exc = EngineFailure(f"engine failure ({reason}); the request will be retried")
-    exc.struck = True  # type: ignore[attr-defined]  # read by the task (getattr), not part of the error type
+    exc.struck = True  # read by the task (tasks.quarantine.record)
     return exc
 
 

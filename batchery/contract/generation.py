@@ -1,0 +1,51 @@
+"""What a Celery task asks of the engine service, and what it gets back.
+
+The boundary between the task functions (``batchery.tasks``) and the engine service
+(``batchery.worker.service``): both import these types from here, so neither imports the other; the
+worker's entry point hands the tasks their service (``app.batchery_service``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
+
+
+class TopLogprob(TypedDict):
+    token: str
+    token_id: int
+    logprob: float
+
+
+class LogprobEntry(TypedDict):
+    """One generated token: its text, id and logprob, and the top alternatives at that position."""
+
+    token: str
+    token_id: int
+    logprob: float
+    top: list[TopLogprob]
+
+
+@dataclass
+class GenerationRequest:
+    """What a task asks for. Exactly one of ``messages``, ``prompt``, ``prompt_token_ids``."""
+
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs; max_tokens None -> fill the context
+    priority: int = 0
+    solo: bool = False  # quarantined: run alone, with no other request in the engine
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: list[LogprobEntry] | None  # per token, with its top alternatives; None unless asked for
+    submitted_at: float  # wall-clock times (time.time()), for latency accounting
+    added_at: float
+    finished_at: float
