@@ -43,7 +43,9 @@ def __getattr__(name: str) -> Any:
 
             raise ModuleNotFoundError(
                 f"batchery.{name} is the offline engine and needs {exc.name}, which this install lacks: "
-                f"{WORKER_INSTALL}", name=exc.name) from exc
+                f"{WORKER_INSTALL}",
+                name=exc.name,
+            ) from exc
         raise
     globals()[name] = value
     return value

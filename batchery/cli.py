@@ -94,10 +94,19 @@ def _metadata(pairs: list[str] | None) -> dict[str, str]:
 
 
 def _job_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--timeout", type=float, metavar="S",
-                   help="each request's deadline in seconds (default: the worker's BATCHERY_TASK_TIMEOUT)")
-    p.add_argument("--priority", type=int, metavar="P", choices=range(10),
-                   help="0 (first, the default) to 9 (last): queue and engine order against other work")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        metavar="S",
+        help="each request's deadline in seconds (default: the worker's BATCHERY_TASK_TIMEOUT)",
+    )
+    p.add_argument(
+        "--priority",
+        type=int,
+        metavar="P",
+        choices=range(10),
+        help="0 (first, the default) to 9 (last): queue and engine order against other work",
+    )
     p.add_argument("--metadata", action="append", metavar="K=V", help="a metadata pair (repeatable, up to 16)")
 
 
@@ -125,8 +134,10 @@ def _print_job(job) -> None:
     print(f"tokens:    {u.prompt_tokens} prompt, {u.completion_tokens} completion")
     print(f"queue:     {job.queue}  (model {job.model or '-'})")
     print(f"input:     {job.input_file or '(iterable)'}")
-    ends = [(name, getattr(job, f"{name}_at")) for name in ("started", "in_progress", "finalizing", "completed",
-                                                            "failed", "cancelling", "cancelled")]
+    ends = [
+        (name, getattr(job, f"{name}_at"))
+        for name in ("started", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled")
+    ]
     print(f"created:   {_ts(job.created_at)}" + "".join(f"; {n} {_ts(t)}" for n, t in ends if t is not None))
     print(f"expires:   {_ts(job.expires_at)}")
     if job.metadata:
@@ -143,8 +154,10 @@ def _emit(args: argparse.Namespace, job) -> None:
 
 
 def _batch_submit_args(p: argparse.ArgumentParser) -> None:
-    p.description = ("Submit a JSONL file of OpenAI Batch request lines; prints the job id. Bad lines become "
-                     "error records with their line numbers; the rest of the job goes on.")
+    p.description = (
+        "Submit a JSONL file of OpenAI Batch request lines; prints the job id. Bad lines become "
+        "error records with their line numbers; the rest of the job goes on."
+    )
     p.add_argument("file", help="input .jsonl (custom_id, method, url, body per line)")
     _job_options(p)
     p.add_argument("--model", help="the model whose queue takes the job (BATCHERY_MODEL)")
@@ -171,8 +184,11 @@ def _batch_submit_run(args: argparse.Namespace) -> int:
     else:
         print(job.id)
         if job.status == "failed" or args.wait:
-            print(f"{job.status}: {job.request_counts.completed} completed, {job.request_counts.failed} failed"
-                  + "".join(f"; {e.code}: {e.message}" for e in job.errors), file=sys.stderr)
+            print(
+                f"{job.status}: {job.request_counts.completed} completed, {job.request_counts.failed} failed"
+                + "".join(f"; {e.code}: {e.message}" for e in job.errors),
+                file=sys.stderr,
+            )
     return 1 if job.status in ("failed", "cancelled") else 0
 
 
@@ -181,11 +197,13 @@ def _batch_id_args(description: str):
         p.description = description
         p.add_argument("job", help="the job id (batch_...)")
         _json_flag(p)
+
     return add
 
 
 def _with_job(fn):
     """Run ``fn(client, args)``; a missing job is a clear message and exit code 1."""
+
     def run(args: argparse.Namespace) -> int:
         from batchery.jobs.store import JobNotFound
 
@@ -195,6 +213,7 @@ def _with_job(fn):
         except JobNotFound as exc:
             print(f"batchery batch: {exc}", file=sys.stderr)
             return 1
+
     return run
 
 
@@ -204,8 +223,10 @@ def _batch_status_run(c, args) -> int:
 
 
 def _batch_wait_args(p: argparse.ArgumentParser) -> None:
-    _batch_id_args("Wait for a job to end, with a live progress bar (done/total, failed, tokens/s, ETA) on a "
-                   "terminal. Exit 0 when it completed, 1 if it failed or was cancelled, 124 on --timeout.")(p)
+    _batch_id_args(
+        "Wait for a job to end, with a live progress bar (done/total, failed, tokens/s, ETA) on a "
+        "terminal. Exit 0 when it completed, 1 if it failed or was cancelled, 124 on --timeout."
+    )(p)
     p.add_argument("--timeout", type=float, metavar="S", help="give up waiting after S seconds (exit 124)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -223,9 +244,11 @@ def _batch_wait_run(c, args) -> int:
 
 
 def _batch_results_args(p: argparse.ArgumentParser) -> None:
-    _batch_id_args("Download a job's records in input order: output lines, and error lines (inline unless "
-                   "--errors is given). Files are written whole or not at all. A running or cancelled job "
-                   "gives the records so far.")(p)
+    _batch_id_args(
+        "Download a job's records in input order: output lines, and error lines (inline unless "
+        "--errors is given). Files are written whole or not at all. A running or cancelled job "
+        "gives the records so far."
+    )(p)
     p.add_argument("-o", "--output", default="-", metavar="OUT.jsonl", help="output file (default: stdout)")
     p.add_argument("--errors", metavar="ERR.jsonl", help="write error lines here instead of inline")
 
@@ -235,13 +258,21 @@ def _batch_results_run(c, args) -> int:
 
     job = c.batch_status(args.job)
     num_ok, num_err = write_results(c.batch_results(job.id), args.output, args.errors)
-    report = {"job": job.id, "status": job.status, "lines_ok": num_ok, "lines_failed": num_err,
-              "output": args.output, "errors": args.errors}
+    report = {
+        "job": job.id,
+        "status": job.status,
+        "lines_ok": num_ok,
+        "lines_failed": num_err,
+        "output": args.output,
+        "errors": args.errors,
+    }
     if args.json:
         print(json.dumps(report), file=sys.stderr if args.output == "-" else sys.stdout)
     elif args.output != "-":
-        print(f"{num_ok} output lines -> {args.output}; {num_err} error lines -> {args.errors or args.output} "
-              f"(job {job.status})")
+        print(
+            f"{num_ok} output lines -> {args.output}; {num_err} error lines -> {args.errors or args.output} "
+            f"(job {job.status})"
+        )
     return 0
 
 
@@ -271,14 +302,21 @@ def _batch_list_run(args: argparse.Namespace) -> int:
 
 BATCH_COMMANDS: dict[str, Command] = {
     "submit": Command("submit a JSONL batch file; prints the job id", _batch_submit_args, _batch_submit_run),
-    "status": Command("show a job's state and counts", _batch_id_args("Show a batch job's state, request counts, "
-                      "token usage and timestamps."), _with_job(_batch_status_run)),
+    "status": Command(
+        "show a job's state and counts",
+        _batch_id_args("Show a batch job's state, request counts, token usage and timestamps."),
+        _with_job(_batch_status_run),
+    ),
     "wait": Command("wait for a job, with a progress bar", _batch_wait_args, _with_job(_batch_wait_run)),
-    "results": Command("download a job's output and error lines", _batch_results_args,
-                       _with_job(_batch_results_run)),
-    "cancel": Command("cancel a job (partial results stay downloadable)", _batch_id_args(
-        "Cancel a job: requests not started are skipped, running ones aborted in the engine. The status is "
-        "cancelling until they have stopped, then cancelled."), _with_job(_batch_cancel_run)),
+    "results": Command("download a job's output and error lines", _batch_results_args, _with_job(_batch_results_run)),
+    "cancel": Command(
+        "cancel a job (partial results stay downloadable)",
+        _batch_id_args(
+            "Cancel a job: requests not started are skipped, running ones aborted in the engine. The status is "
+            "cancelling until they have stopped, then cancelled."
+        ),
+        _with_job(_batch_cancel_run),
+    ),
     "list": Command("list recent jobs", _batch_list_args, _batch_list_run),
 }
 
@@ -294,10 +332,12 @@ def _batch_args(p: argparse.ArgumentParser) -> None:
 
 # -- run ------------------------------------------------------------------------------------------
 def _run_args(p: argparse.ArgumentParser) -> None:
-    p.description = ("Run a JSONL batch file end to end and write the results. Without BATCHERY_BROKER_URL it "
-                     "starts a private Redis and a worker (BATCHERY_MODEL, default smollm2-135m-instruct), and "
-                     "stops them afterwards; with it, it submits to that cluster and waits. Exit 0 when the job "
-                     "completed (failed lines go to the errors), 1 if it did not, 130 on Ctrl-C.")
+    p.description = (
+        "Run a JSONL batch file end to end and write the results. Without BATCHERY_BROKER_URL it "
+        "starts a private Redis and a worker (BATCHERY_MODEL, default smollm2-135m-instruct), and "
+        "stops them afterwards; with it, it submits to that cluster and waits. Exit 0 when the job "
+        "completed (failed lines go to the errors), 1 if it did not, 130 on Ctrl-C."
+    )
     p.add_argument("file", help="input .jsonl")
     p.add_argument("-o", "--output", required=True, metavar="OUT.jsonl", help="output file (written atomically)")
     p.add_argument("--errors", metavar="ERR.jsonl", help="error lines go here (default: inline in the output)")
@@ -315,13 +355,23 @@ def _run_run(args: argparse.Namespace) -> int:
     except argparse.ArgumentTypeError as exc:
         print(f"batchery run: {exc}", file=sys.stderr)
         return 2
-    return run_job(args.file, args.output, args.errors, timeout=args.timeout, priority=args.priority,
-                   metadata=metadata, model=args.model, as_json=args.json, progress=not args.no_progress)
+    return run_job(
+        args.file,
+        args.output,
+        args.errors,
+        timeout=args.timeout,
+        priority=args.priority,
+        metadata=metadata,
+        model=args.model,
+        as_json=args.json,
+        progress=not args.no_progress,
+    )
 
 
 COMMANDS: dict[str, Command] = {
-    "run": Command("run a JSONL batch file end to end (embedded Redis and worker unless a broker is set)",
-                   _run_args, _run_run),
+    "run": Command(
+        "run a JSONL batch file end to end (embedded Redis and worker unless a broker is set)", _run_args, _run_run
+    ),
     "batch": Command("submit, follow, download and cancel batch jobs", _batch_args, lambda args: 2),
     "worker": Command("run a worker", add_worker_arguments, _worker_run),
     "health": Command("check a worker's health endpoints (exit code for healthchecks)", _health_args, _health_run),

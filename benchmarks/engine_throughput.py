@@ -57,8 +57,7 @@ def run_hf_static(loaded, prompts, max_tokens, batch_size=16) -> float:
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=loaded.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=loaded.device)
         n = max(mts)
-        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                       pad_token_id=pad)
+        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=pad)
     elapsed = time.perf_counter() - t0
     model.set_attn_implementation(previous)
     return elapsed
@@ -89,7 +88,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpu {torch.backends.cpu.get_cpu_capability()}")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpu {torch.backends.cpu.get_cpu_capability()}"
+    )
     reqs = reference_requests(args.requests, seed=0)
     for dtype in args.dtype.split(","):
         loaded = load_model(EngineConfig(model=args.model, dtype=dtype))
@@ -113,9 +114,11 @@ def main() -> None:
         roof = max(roof_before, raw_forward_tps(loaded))
         eng_tps = useful / t_eng
         print(f"\n[{dtype}] {len(prompts)} requests, {sum(len(p) for p in prompts)} prompt tokens, {useful} generated")
-        print(f"  engine            {eng_tps:8.1f} generated tok/s  ({t_eng:.2f} s, {st['num_steps']} steps, "
-              f"mean batch {st['mean_batch_size']:.1f} seqs / {st['mean_batch_tokens']:.0f} tokens, "
-              f"prefix hits {st['prefix_cache_hit_tokens']} tokens, preemptions {st['num_preemptions']})")
+        print(
+            f"  engine            {eng_tps:8.1f} generated tok/s  ({t_eng:.2f} s, {st['num_steps']} steps, "
+            f"mean batch {st['mean_batch_size']:.1f} seqs / {st['mean_batch_tokens']:.0f} tokens, "
+            f"prefix hits {st['prefix_cache_hit_tokens']} tokens, preemptions {st['num_preemptions']})"
+        )
         if not args.skip_hf:
             t_hf = run_hf_static(loaded, prompts, max_tokens)
             print(f"  HF static (bs16)  {useful / t_hf:8.1f} generated tok/s  ({t_hf:.2f} s)")

@@ -32,13 +32,29 @@ def build(shape: str, device: torch.device) -> LoadedModel:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if shape == "smollm2-135m":
-        cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                          tie_word_embeddings=True, rope_theta=100000.0)
+        cfg = LlamaConfig(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            max_position_embeddings=8192,
+            tie_word_embeddings=True,
+            rope_theta=100000.0,
+        )
     else:
-        cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                          tie_word_embeddings=True, rope_theta=500000.0)
+        cfg = LlamaConfig(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=8192,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+        )
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
@@ -52,8 +68,12 @@ def check_kernels(device) -> bool:
     ok = True
     g = torch.Generator(device="cpu").manual_seed(0)
     for dtype, tol in ((torch.bfloat16, 3e-2), (torch.float16, 1e-2)):
-        for bs, hkv, grp, d, window, cap in ((16, 3, 3, 64, None, None), (16, 8, 4, 128, 64, None),
-                                             (32, 2, 2, 128, None, 30.0), (16, 4, 2, 64, 100, 50.0)):
+        for bs, hkv, grp, d, window, cap in (
+            (16, 3, 3, 64, None, None),
+            (16, 8, 4, 128, 64, None),
+            (32, 2, 2, 128, None, 30.0),
+            (16, 4, 2, 64, 100, 50.0),
+        ):
             nb, nseq = 256, 6
             kc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype).to(device)
             vc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype).to(device)
@@ -68,7 +88,7 @@ def check_kernels(device) -> bool:
                 used += k
             tables, ctx_d = tables.to(device), ctx.to(device)
             q = torch.randn(nseq, hkv * grp, d, generator=g).to(dtype).to(device)
-            scale = d ** -0.5
+            scale = d**-0.5
             got = ta.paged_decode_attention(q, kc, vc, tables, ctx_d, scale, window, cap)
             ref = ta.ref_paged_decode_attention(q, kc, vc, tables, ctx_d, scale, window, cap)
             err_d = (got.float() - ref.float()).abs().max().item()
@@ -81,8 +101,10 @@ def check_kernels(device) -> bool:
             err_p = (got.float() - ref.float()).abs().max().item()
             good = err_d < tol and err_p < tol
             ok &= good
-            print(f"  {str(dtype):15s} bs={bs:2d} hkv={hkv} gqa={grp} d={d:3d} window={window} softcap={cap}: "
-                  f"decode err {err_d:.2e}, prefill err {err_p:.2e} {'ok' if good else 'FAIL'}")
+            print(
+                f"  {str(dtype):15s} bs={bs:2d} hkv={hkv} gqa={grp} d={d:3d} window={window} softcap={cap}: "
+                f"decode err {err_d:.2e}, prefill err {err_p:.2e} {'ok' if good else 'FAIL'}"
+            )
     return ok
 
 
@@ -90,8 +112,9 @@ def workload(n: int, seed: int = 0):
     rng = random.Random(seed)
     reqs = reference_requests(n, seed)
     # ~1.25 tokens per word plus the chat template, as SmolLM2's tokenizer gives on this workload
-    prompts = [[rng.randrange(100, 40000) for _ in range(35 + int(1.25 * len(m[0]["content"].split())))]
-               for m, _ in reqs]
+    prompts = [
+        [rng.randrange(100, 40000) for _ in range(35 + int(1.25 * len(m[0]["content"].split())))] for m, _ in reqs
+    ]
     return prompts, [mt for _, mt in reqs]
 
 
@@ -137,8 +160,11 @@ def check_graphs(loaded, n=37) -> bool:
         return False
     rng = random.Random(1)
     for i in range(n):
-        eng.add_request(str(i), [rng.randrange(100, 40000) for _ in range(20 + i)],
-                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        eng.add_request(
+            str(i),
+            [rng.randrange(100, 40000) for _ in range(20 + i)],
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        )
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running + eng.scheduler.waiting):
         eng.step()  # the prompts, and each one's first token
     step = eng.scheduler.schedule()  # the next step: one decode token for each sequence
@@ -150,19 +176,32 @@ def check_graphs(loaded, n=37) -> bool:
     err = ((got - ref).abs().max() / ref.abs().max()).item()
     same = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     good = err < 2e-2
-    print(f"  {len(runner.graphs.graphs)} graphs (batch {runner.graphs.sizes[0]}..{runner.graphs.max_size}); "
-          f"{n} sequences: max logit difference {err:.1e} of the largest, argmax agrees on {100 * same:.0f}% "
-          f"{'ok' if good else 'FAIL'}")
+    print(
+        f"  {len(runner.graphs.graphs)} graphs (batch {runner.graphs.sizes[0]}..{runner.graphs.max_size}); "
+        f"{n} sequences: max logit difference {err:.1e} of the largest, argmax agrees on {100 * same:.0f}% "
+        f"{'ok' if good else 'FAIL'}"
+    )
     return good
 
 
 def decode_step(loaded, batch=256, context=512, steps=20, cuda_graphs=True) -> tuple[float, float, bool]:
-    eng = LLMEngine(EngineConfig(model=loaded.name, dtype="bfloat16", max_num_seqs=batch,
-                                 max_num_batched_tokens=16384, cuda_graphs=cuda_graphs), loaded=loaded)
+    eng = LLMEngine(
+        EngineConfig(
+            model=loaded.name,
+            dtype="bfloat16",
+            max_num_seqs=batch,
+            max_num_batched_tokens=16384,
+            cuda_graphs=cuda_graphs,
+        ),
+        loaded=loaded,
+    )
     rng = random.Random(0)
     for i in range(batch):
-        eng.add_request(str(i), [rng.randrange(100, 100000) for _ in range(context)],
-                        SamplingParams(temperature=0, max_tokens=steps + 50, ignore_eos=True))
+        eng.add_request(
+            str(i),
+            [rng.randrange(100, 100000) for _ in range(context)],
+            SamplingParams(temperature=0, max_tokens=steps + 50, ignore_eos=True),
+        )
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running + eng.scheduler.waiting):
         eng.step()
     for _ in range(3):
@@ -213,35 +252,47 @@ def main() -> None:
     import transformers
     import triton
 
-    print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
-          f"transformers {transformers.__version__}, triton {triton.__version__}")
+    print(
+        f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, triton {triton.__version__}"
+    )
     results: dict[str, bool] = {}
     section("1. Triton kernels against the torch reference", lambda: check_kernels(dev), results)
 
     small = build("smollm2-135m", dev)
-    section("2. Decode CUDA graphs against eager steps, SmolLM2-135M shape, bf16",
-            lambda: check_graphs(small), results)
+    section(
+        "2. Decode CUDA graphs against eager steps, SmolLM2-135M shape, bf16", lambda m=small: check_graphs(m), results
+    )
 
-    def throughput() -> bool:
+    def throughput(small: LoadedModel = small) -> bool:
         prompts, max_tokens = workload(args.requests)
         eng, st = engine_tps(small, prompts, max_tokens, max_num_seqs=512, max_num_batched_tokens=8192)
-        print(f"  engine     {eng:10.1f} generated tok/s (mean batch {st['mean_batch_size']:.0f} seqs, "
-              f"{st['cuda_graph_steps']} of {st['num_steps']} steps from CUDA graphs)", flush=True)
+        print(
+            f"  engine     {eng:10.1f} generated tok/s (mean batch {st['mean_batch_size']:.0f} seqs, "
+            f"{st['cuda_graph_steps']} of {st['num_steps']} steps from CUDA graphs)",
+            flush=True,
+        )
         hf = hf_static_tps(small, prompts, max_tokens)
         print(f"  HF static  {hf:10.1f} generated tok/s (batch 64)")
         print(f"  ratio      {eng / hf:10.2f}x  (target >= 8x)")
         return eng / hf >= 8
 
-    section(f"3. {args.requests} chat requests of the reference workload shape, SmolLM2-135M shape, bf16",
-            throughput, results)
-    del small
+    section(
+        f"3. {args.requests} chat requests of the reference workload shape, SmolLM2-135M shape, bf16",
+        throughput,
+        results,
+    )
+    del small, throughput  # the default argument holds the model too
     torch.cuda.empty_cache()
 
     def decode() -> bool:
         big = build("llama-1b", dev)
         dt, bound, graphs = decode_step(big)
-        print(f"  decode step {dt * 1e3:8.2f} ms ({'CUDA graphs' if graphs else 'eager: no graphs'}); "
-              f"HBM bound {bound * 1e3:.2f} ms (4.3 TB/s); ratio {dt / bound:.2f}x (target <= 2x)", flush=True)
+        print(
+            f"  decode step {dt * 1e3:8.2f} ms ({'CUDA graphs' if graphs else 'eager: no graphs'}); "
+            f"HBM bound {bound * 1e3:.2f} ms (4.3 TB/s); ratio {dt / bound:.2f}x (target <= 2x)",
+            flush=True,
+        )
         dt_eager, _, _ = decode_step(big, cuda_graphs=False)
         print(f"  decode step {dt_eager * 1e3:8.2f} ms eager (cuda_graphs=False): graphs {dt_eager / dt:.2f}x faster")
         return dt / bound <= 2

@@ -67,8 +67,11 @@ def run_direct(settings, loaded, workload) -> dict:
     def run(items) -> tuple[int, float]:
         t0 = time.perf_counter()
         for i, (messages, max_tokens) in enumerate(items):
-            engine.add_request(f"r{i}-{t0}", engine.encode_chat(messages),
-                               SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+            engine.add_request(
+                f"r{i}-{t0}",
+                engine.encode_chat(messages),
+                SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            )
         tokens = 0
         steps_before = engine.num_steps
         step_seconds = 0.0
@@ -90,8 +93,13 @@ def run_direct(settings, loaded, workload) -> dict:
 
     in_thread([(WARMUP, 4)])  # warm-up (allocator, oneDNN / Triton kernels); not timed
     tokens, wall = in_thread(workload)
-    return {"tokens": tokens, "wall": wall, "throughput": tokens / wall, **stepped,
-            "mean_batch": engine.stats()["mean_batch_size"]}
+    return {
+        "tokens": tokens,
+        "wall": wall,
+        "throughput": tokens / wall,
+        **stepped,
+        "mean_batch": engine.stats()["mean_batch_size"],
+    }
 
 
 # -- through the queue ----------------------------------------------------------------------------------
@@ -127,14 +135,23 @@ def start_worker(settings, queue: str, log_path: Path) -> tuple[subprocess.Popen
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, BATCHERY_MODEL=settings.model, BATCHERY_DTYPE=settings.dtype,
-               BATCHERY_MAX_NUM_SEQS=str(settings.max_num_seqs), BATCHERY_QUEUE=queue,
-               BATCHERY_BROKER_URL=settings.broker_url, BATCHERY_RESULT_BACKEND=settings.result_backend,
-               BATCHERY_HEALTH_HOST="127.0.0.1", BATCHERY_HEALTH_PORT=str(port), PYTHONUNBUFFERED="1",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        BATCHERY_MODEL=settings.model,
+        BATCHERY_DTYPE=settings.dtype,
+        BATCHERY_MAX_NUM_SEQS=str(settings.max_num_seqs),
+        BATCHERY_QUEUE=queue,
+        BATCHERY_BROKER_URL=settings.broker_url,
+        BATCHERY_RESULT_BACKEND=settings.result_backend,
+        BATCHERY_HEALTH_HOST="127.0.0.1",
+        BATCHERY_HEALTH_PORT=str(port),
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "batchery", "worker"], cwd=REPO, env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchery", "worker"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+    )
     return proc, port
 
 
@@ -170,8 +187,9 @@ class QueueRunner:
 
     def _run(self, items):
         t0 = time.perf_counter()
-        handles = self.client.chat_many([{"messages": m, "max_tokens": k} for m, k in items], temperature=0.0,
-                                        ignore_eos=True)
+        handles = self.client.chat_many(
+            [{"messages": m, "max_tokens": k} for m, k in items], temperature=0.0, ignore_eos=True
+        )
         results = [h.get(timeout=3600) for h in handles]
         return handles, results, time.perf_counter() - t0
 
@@ -189,13 +207,25 @@ class QueueRunner:
             if received is not None and r.timing is not None:
                 t = r.timing
                 added.append((t.engine_added_at - h.enqueued_at) + (received - t.engine_finished_at))
-                parts.append((t.task_started_at - h.enqueued_at, t.engine_added_at - t.task_started_at,
-                              received - t.engine_finished_at))
+                parts.append(
+                    (
+                        t.task_started_at - h.enqueued_at,
+                        t.engine_added_at - t.task_started_at,
+                        received - t.engine_finished_at,
+                    )
+                )
         tokens = sum(r.usage.completion_tokens for r in results)
         steps = after["num_steps"] - before["num_steps"]
-        return {"tokens": tokens, "wall": wall, "throughput": tokens / wall, "added": added, "parts": parts,
-                "steps": steps, "step_seconds": after["step_seconds"] - before["step_seconds"],
-                "mean_batch": (after["num_step_seqs"] - before["num_step_seqs"]) / max(steps, 1)}
+        return {
+            "tokens": tokens,
+            "wall": wall,
+            "throughput": tokens / wall,
+            "added": added,
+            "parts": parts,
+            "steps": steps,
+            "step_seconds": after["step_seconds"] - before["step_seconds"],
+            "mean_batch": (after["num_step_seqs"] - before["num_step_seqs"]) / max(steps, 1),
+        }
 
     def close(self) -> None:
         self.listener.close()
@@ -208,25 +238,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", help="dtype (default: BATCHERY_DTYPE or auto)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rounds", type=int, default=1,
-                   help="alternate direct and queued runs this many times (round r uses seed + r); "
-                        "the ratio reported is the median over rounds")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="alternate direct and queued runs this many times (round r uses seed + r); "
+        "the ratio reported is the median over rounds",
+    )
     p.add_argument("--max-num-seqs", type=int, help="engine batch limit (default: max(64, num requests))")
     p.add_argument("--ready-timeout", type=float, default=900.0)
     args = p.parse_args(argv)
 
+    from batchery.contract.settings import Settings
     from batchery.engine.config import EngineConfig
     from batchery.engine.loader import load_model
-    from batchery.contract.settings import Settings
 
     overrides = {k: v for k, v in (("model", args.model), ("dtype", args.dtype)) if v}
     settings = Settings(**overrides)
     queue = f"batchery.bench-{uuid.uuid4().hex[:8]}"
-    settings = settings.model_copy(update={"max_num_seqs": args.max_num_seqs or max(64, args.num_requests),
-                                           "queue": queue})
+    settings = settings.model_copy(
+        update={"max_num_seqs": args.max_num_seqs or max(64, args.num_requests), "queue": queue}
+    )
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{queue}.log"
-    print(f"model {settings.model}, dtype {settings.dtype}, max_num_seqs {settings.max_num_seqs}; "
-          f"{args.num_requests} requests per run, {args.rounds} round(s); worker log {log_path}")
+    print(
+        f"model {settings.model}, dtype {settings.dtype}, max_num_seqs {settings.max_num_seqs}; "
+        f"{args.num_requests} requests per run, {args.rounds} round(s); worker log {log_path}"
+    )
 
     proc, port = start_worker(settings, queue, log_path)
     runner = None
@@ -243,16 +280,22 @@ def main(argv: list[str] | None = None) -> int:
             added_ms = [a * 1000 for a in queued["added"]]
             print(f"round {r} (seed {args.seed + r}, {direct['tokens']} generated tokens)")
             for name, res in (("direct on the engine", direct), ("through the queue   ", queued)):
-                print(f"  {name} : {res['throughput']:8.1f} tok/s  ({res['wall']:.2f} s; {res['steps']} steps, "
-                      f"{1000 * res['step_seconds'] / max(res['steps'], 1):.1f} ms each, mean batch "
-                      f"{res['mean_batch']:.1f})")
+                print(
+                    f"  {name} : {res['throughput']:8.1f} tok/s  ({res['wall']:.2f} s; {res['steps']} steps, "
+                    f"{1000 * res['step_seconds'] / max(res['steps'], 1):.1f} ms each, mean batch "
+                    f"{res['mean_batch']:.1f})"
+                )
             print(f"  ratio queue/direct   : {queued['throughput'] / direct['throughput']:.3f}")
             if added_ms:
-                print(f"  time added by queue  : p50 {percentile(added_ms, 0.5):.1f} ms, "
-                      f"p99 {percentile(added_ms, 0.99):.1f} ms over {len(added_ms)} requests")
+                print(
+                    f"  time added by queue  : p50 {percentile(added_ms, 0.5):.1f} ms, "
+                    f"p99 {percentile(added_ms, 0.99):.1f} ms over {len(added_ms)} requests"
+                )
                 med = [statistics.median(p[i] for p in queued["parts"]) * 1000 for i in range(3)]
-                print(f"    medians: enqueue->task start {med[0]:.1f} ms, task start->in engine {med[1]:.1f} ms, "
-                      f"finished->client {med[2]:.1f} ms")
+                print(
+                    f"    medians: enqueue->task start {med[0]:.1f} ms, task start->in engine {med[1]:.1f} ms, "
+                    f"finished->client {med[2]:.1f} ms"
+                )
     finally:
         if runner is not None:
             runner.close()

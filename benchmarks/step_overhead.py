@@ -34,19 +34,30 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     model.requires_grad_(False)
     loaded = LoadedModel(model, None, cfg, torch.float32, torch.device("cpu"), "tiny")
-    eng = LLMEngine(EngineConfig(model="tiny", dtype="float32", max_num_seqs=args.seqs,
-                                 max_num_batched_tokens=16384), loaded=loaded)
+    eng = LLMEngine(
+        EngineConfig(model="tiny", dtype="float32", max_num_seqs=args.seqs, max_num_batched_tokens=16384), loaded=loaded
+    )
     rng = random.Random(0)
     for i in range(args.seqs):
-        eng.add_request(str(i), [rng.randrange(100, 40000) for _ in range(args.context)],
-                        SamplingParams(temperature=0, max_tokens=args.steps + 10, ignore_eos=True))
+        eng.add_request(
+            str(i),
+            [rng.randrange(100, 40000) for _ in range(args.context)],
+            SamplingParams(temperature=0, max_tokens=args.steps + 10, ignore_eos=True),
+        )
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running + eng.scheduler.waiting):
         eng.step()
 
@@ -59,6 +70,7 @@ def main() -> None:
                 return fn(*a, **k)
             finally:
                 spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+
         return wrapper
 
     runner = eng.runner

@@ -611,6 +611,7 @@ def load() -> types.ModuleType | None:
                 )
             except Exception as e:  # no compiler, no ninja, ...: the torch paths still work
                 _failed = True
-                log.warning("CPU kernels unavailable (%s); using torch",
-                            str(e).splitlines()[0] if str(e) else type(e).__name__)
+                log.warning(
+                    "CPU kernels unavailable (%s); using torch", str(e).splitlines()[0] if str(e) else type(e).__name__
+                )
     return _module

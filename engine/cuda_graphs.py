@@ -47,8 +47,16 @@ class DecodeGraphs:
     go into the attention metadata of every run; ``max_blocks_per_seq`` is the block-table width
     of a sequence at the longest context."""
 
-    def __init__(self, forward: DecodeForward, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: str,
-                 device: torch.device, max_num_seqs: int, max_blocks_per_seq: int, capture: bool = True) -> None:
+    def __init__(
+        self,
+        forward: DecodeForward,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: str,
+        device: torch.device,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        capture: bool = True,
+    ) -> None:
         self.model_forward = forward
         self.kv_caches = kv_caches
         self.backend = backend
@@ -92,8 +100,13 @@ class DecodeGraphs:
                 logits = self._forward_bucket(bs)
             self.graphs[bs] = (graph, logits)
         torch.cuda.synchronize(self.device)
-        log.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s", len(self.graphs),
-                 self.sizes[0], self.max_size, time.perf_counter() - t0)
+        log.info(
+            "captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s",
+            len(self.graphs),
+            self.sizes[0],
+            self.max_size,
+            time.perf_counter() - t0,
+        )
 
     def run(self, p: PackedStep) -> torch.Tensor:
         """One decode-only step of ``n <= max_size`` sequences; returns their [n, vocab] logits."""

@@ -49,8 +49,12 @@ class _RoutedLinear(torch.nn.Linear):
 
 
 def _forward(self: _RoutedLinear, x: torch.Tensor) -> torch.Tensor:
-    if (x.dtype == self.weight.dtype and not x.requires_grad and x.device.type == "cpu"
-            and x.numel() <= self._batchery_max_rows * x.shape[-1]):
+    if (
+        x.dtype == self.weight.dtype
+        and not x.requires_grad
+        and x.device.type == "cpu"
+        and x.numel() <= self._batchery_max_rows * x.shape[-1]
+    ):
         return self._batchery_linear(x, self.bias)
     return F.linear(x, self.weight, self.bias)
 
@@ -122,8 +126,13 @@ def install(model: torch.nn.Module, max_rows: int | None = None) -> int:
             limit = ANY if max_rows < 0 else max_rows
         elif key not in limits:
             limit = limits[key] = calibrate(kernel, *key)
-            log.info("CPU linear kernel, %s %dx%d: faster than torch up to %s rows", str(w.dtype)[6:],
-                     lin.in_features, lin.out_features, "any number of" if limit == ANY else limit)
+            log.info(
+                "CPU linear kernel, %s %dx%d: faster than torch up to %s rows",
+                str(w.dtype)[6:],
+                lin.in_features,
+                lin.out_features,
+                "any number of" if limit == ANY else limit,
+            )
         else:
             limit = limits[key]
         if limit == 0:

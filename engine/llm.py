@@ -1,10 +1,10 @@
 """Offline API, vLLM-style::
 
-    from batchery.engine.llm import LLM
-    from batchery.engine.sampling import SamplingParams
-    llm = LLM(model="smollm2-135m-instruct", dtype="float32")
-    outs = llm.generate(["Once upon a time"], SamplingParams(max_tokens=32))
-    outs = llm.chat([[{"role": "user", "content": "Hi"}]], [SamplingParams(temperature=0, max_tokens=32)])
+from batchery.engine.llm import LLM
+from batchery.engine.sampling import SamplingParams
+llm = LLM(model="smollm2-135m-instruct", dtype="float32")
+outs = llm.generate(["Once upon a time"], SamplingParams(max_tokens=32))
+outs = llm.chat([[{"role": "user", "content": "Hi"}]], [SamplingParams(temperature=0, max_tokens=32)])
 """
 
 from __future__ import annotations
@@ -26,8 +26,11 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
-    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
-                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids). Outputs come back in prompt order; a
         prompt the engine rejects (e.g. longer than the context) fails alone with
         ``finish_reason == "error"`` and ``error`` set."""
@@ -36,15 +39,19 @@ class LLM:
         token_ids = [self.engine.encode(p) if isinstance(p, str) else list(p) for p in batch]
         return self._run(token_ids, params)
 
-    def chat(self, conversations: list[list[dict[str, Any]]] | list[dict[str, Any]],
-             params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        conversations: list[list[dict[str, Any]]] | list[dict[str, Any]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Generate a reply for each conversation (a list of ``{"role", "content"}`` messages)."""
         single = bool(conversations) and isinstance(conversations[0], dict)
         batch = cast("list[list[dict[str, Any]]]", [conversations] if single else conversations)
         return self._run([self.engine.encode_chat(c) for c in batch], params)
 
-    def _run(self, token_ids: list[list[int]],
-             params: SamplingParams | Seq[SamplingParams] | None) -> list[RequestOutput]:
+    def _run(
+        self, token_ids: list[list[int]], params: SamplingParams | Seq[SamplingParams] | None
+    ) -> list[RequestOutput]:
         if params is None:
             params = SamplingParams()
         if isinstance(params, SamplingParams):

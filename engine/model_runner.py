@@ -38,8 +38,13 @@ def _text_config(hf_config: Any) -> Any:
 
 
 @torch.inference_mode()
-def run_model(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
-              logits_to_keep: torch.Tensor | int = 0) -> torch.Tensor:
+def run_model(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    md: AttentionMetadata,
+    logits_to_keep: torch.Tensor | int = 0,
+) -> torch.Tensor:
     """The model on one packed row: input_ids, positions [1, num_tokens]; returns [num_keep, vocab]
     logits (``logits_to_keep`` 0: every row). A plain function of the model, so the decode graphs
     can hold it without holding the runner."""
@@ -67,14 +72,17 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.block_size = config.block_size
 
-        model_len = config.max_model_len or min(getattr(cfg, "max_position_embeddings", MAX_DEFAULT_MODEL_LEN),
-                                                MAX_DEFAULT_MODEL_LEN)
+        model_len = config.max_model_len or min(
+            getattr(cfg, "max_position_embeddings", MAX_DEFAULT_MODEL_LEN), MAX_DEFAULT_MODEL_LEN
+        )
         self.num_kv_blocks = self._num_blocks(model_len)
         self.max_model_len = min(model_len, self.num_kv_blocks * self.block_size)
         shape = (self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
             for _ in range(self.num_layers)
         ]
         self.backend = self._pick_backend()
@@ -96,8 +104,15 @@ class ModelRunner:
     def build_decode_graphs(self, capture: bool = True) -> DecodeGraphs:
         """Decode graphs over this runner's model and KV cache; ``capture=False`` keeps only their
         static buffers (how the CPU tests run that path). They hold the model, not the runner."""
-        return DecodeGraphs(functools.partial(run_model, self.model), self.kv_caches, self.backend, self.device,
-                            self.config.max_num_seqs, -(-self.max_model_len // self.block_size), capture=capture)
+        return DecodeGraphs(
+            functools.partial(run_model, self.model),
+            self.kv_caches,
+            self.backend,
+            self.device,
+            self.config.max_num_seqs,
+            -(-self.max_model_len // self.block_size),
+            capture=capture,
+        )
 
     def _bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -169,8 +184,9 @@ class ModelRunner:
                 p.sample_seqs.append(seq)
         return p
 
-    def prepare(self, p: PackedStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata,
-                                              list[Sequence]]:
+    def prepare(
+        self, p: PackedStep
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, list[Sequence]]:
         """The packed step as device tensors: input ids and positions [1, num_tokens], the rows to
         sample [num_sample], the attention metadata, and the sequences those rows sample for."""
         bs = self.block_size
@@ -201,8 +217,9 @@ class ModelRunner:
         keep = torch.tensor(p.logits_idx, dtype=torch.long, device=dev)
         return ids, pos, keep, md, p.sample_seqs
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor | int,
-                md: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor | int, md: AttentionMetadata
+    ) -> torch.Tensor:
         """ids, pos [1, num_tokens]; keep: the rows to compute logits for. Returns [num_keep, vocab]."""
         return run_model(self.model, ids, pos, md, keep)
 

@@ -50,5 +50,6 @@ def padded_tables(tables: list[list[int]], dtype: torch.dtype = torch.long) -> t
     lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
     out = np.zeros((len(tables), int(lens.max())), dtype=torch.empty((), dtype=dtype).numpy().dtype)
     out[np.arange(out.shape[1])[None, :] < lens[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(tables), dtype=out.dtype, count=int(lens.sum()))
+        itertools.chain.from_iterable(tables), dtype=out.dtype, count=int(lens.sum())
+    )
     return torch.from_numpy(out)

@@ -24,8 +24,9 @@ class Sampler:
         return seq.generator
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
-                 eos_ids: list[int]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [num_seqs, vocab]. Returns the sampled token id and logprob entry of each seq."""
         logits = logits.float()
         params = [s.params for s in seqs]
@@ -56,7 +57,8 @@ class Sampler:
             unseeded = [j for j, i in enumerate(sample_rows) if params[i].seed is None]
             if unseeded:
                 noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-                    generator=self.generator)
+                    generator=self.generator
+                )
             for j in seeded:
                 noise[j].exponential_(generator=self._generator_for(seqs[sample_rows[j]]))
             # Exponential race: argmax(p / E) with E ~ Exp(1) draws exactly from p.

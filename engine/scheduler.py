@@ -60,8 +60,9 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
-    def update_from_output(self, out: SchedulerOutput, runner_out: ModelRunnerOutput,
-                           check_stop: StopCheck) -> list[Sequence]:
+    def update_from_output(
+        self, out: SchedulerOutput, runner_out: ModelRunnerOutput, check_stop: StopCheck
+    ) -> list[Sequence]:
         """After the step ``out`` ran: count its tokens as computed, append each sampled token (and
         its logprobs), publish newly full blocks to the prefix cache, and finish the sequences
         ``check_stop`` says are done. Returns those, in sampling order."""

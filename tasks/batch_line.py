@@ -36,8 +36,9 @@ RUNNERS = {CHAT_URL: run_chat, COMPLETIONS_URL: run_completion}
 REDIS_ATTEMPTS = 5  # 0.5 + 1 + 2 + 4 s of backoff before a Redis outage fails the task
 
 
-def batch_line(self, job: str, line: int, custom_id: str, url: str, body: dict, timeout: float | None = None,
-               priority: int = 0) -> LineOutcome:
+def batch_line(
+    self, job: str, line: int, custom_id: str, url: str, body: dict, timeout: float | None = None, priority: int = 0
+) -> LineOutcome:
     """Run line ``line`` of batch job ``job``; returns what happened (for the worker log and metrics)."""
     store, watch = job_store(self.app)
     settings = self.app.batchery_settings
@@ -60,24 +61,47 @@ def batch_line(self, job: str, line: int, custom_id: str, url: str, body: dict, 
         _retrying(f"releasing line {line} of {job}", store.release, job, line)
         raise
     except BatcheryError as exc:  # invalid, context length, deadline, engine error or crash: its own code
-        record = error_record(job, line, custom_id, exc.outcome.value, str(exc), status_code=exc.status_code,
-                              request_id=self.request.id)
+        record = error_record(
+            job, line, custom_id, exc.outcome.value, str(exc), status_code=exc.status_code, request_id=self.request.id
+        )
         return _store(store, job, line, record, exc.outcome)
     except Exception as exc:  # noqa: BLE001 - a bug must still leave a record, never lose the line
         log.exception("batch %s line %d: unexpected error", job, line)
-        record = error_record(job, line, custom_id, Outcome.INTERNAL_ERROR.value, f"{type(exc).__name__}: {exc}",
-                              status_code=500, request_id=self.request.id)
+        record = error_record(
+            job,
+            line,
+            custom_id,
+            Outcome.INTERNAL_ERROR.value,
+            f"{type(exc).__name__}: {exc}",
+            status_code=500,
+            request_id=self.request.id,
+        )
         return _store(store, job, line, record, Outcome.INTERNAL_ERROR)
     usage = response.get("usage") or {}
-    return _store(store, job, line, output_record(job, line, custom_id, self.request.id, response), Outcome.SUCCESS,
-                  usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
+    return _store(
+        store,
+        job,
+        line,
+        output_record(job, line, custom_id, self.request.id, response),
+        Outcome.SUCCESS,
+        usage.get("prompt_tokens", 0),
+        usage.get("completion_tokens", 0),
+    )
 
 
-def _store(store: JobStore, job: str, line: int, record: dict, outcome: Outcome, prompt_tokens: int = 0,
-           completion_tokens: int = 0) -> LineOutcome:
+def _store(
+    store: JobStore,
+    job: str,
+    line: int,
+    record: dict,
+    outcome: Outcome,
+    prompt_tokens: int = 0,
+    completion_tokens: int = 0,
+) -> LineOutcome:
     failed = outcome is not Outcome.SUCCESS
-    new, status = _retrying(f"storing line {line} of {job}", store.write, job, line, record, failed, prompt_tokens,
-                            completion_tokens)
+    new, status = _retrying(
+        f"storing line {line} of {job}", store.write, job, line, record, failed, prompt_tokens, completion_tokens
+    )
     if status == "gone":
         detail = f"not recorded: job {job} no longer exists"
     else:

@@ -24,7 +24,14 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from celery.exceptions import Reject
 from pydantic import BaseModel, ValidationError
 
-from batchery.tasks import quarantine
+from batchery.contract.errors import (
+    DeadlineExceeded,
+    EngineFailure,
+    EngineUnavailable,
+    InvalidRequest,
+    RequestCancelled,
+)
+from batchery.contract.generation import GenerationRequest, GenerationResult
 from batchery.contract.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -43,8 +50,7 @@ from batchery.contract.schemas import (
     check_timeout,
     describe_validation_error,
 )
-from batchery.contract.generation import GenerationRequest, GenerationResult
-from batchery.contract.errors import DeadlineExceeded, EngineFailure, EngineUnavailable, InvalidRequest, RequestCancelled
+from batchery.tasks import quarantine
 
 CANCEL_POLL_S = 0.25  # how often a cancellable request checks its job while it waits
 
@@ -59,20 +65,23 @@ def completion(self, body: dict, timeout: float | None = None) -> dict:
     return run_completion(self, body, timeout)
 
 
-def run_chat(task, body: dict, timeout: float | None = None, *, priority: int = 0,
-             cancelled: Callable[[], bool] | None = None) -> dict:
+def run_chat(
+    task, body: dict, timeout: float | None = None, *, priority: int = 0, cancelled: Callable[[], bool] | None = None
+) -> dict:
     """Validate, generate and shape one chat completion for ``task`` (a bound Celery task). Shared
     by the chat task and the batch-line task; ``cancelled`` is polled while waiting (batch jobs)."""
     started = time.time()
     req = _validate(ChatCompletionRequest, body)
     gen = GenerationRequest(messages=req.engine_messages(), sampling=req.sampling(), priority=priority)
     result = _generate(task, gen, timeout, cancelled)
-    return shape_chat(req, result, task.request.id, task.app.batchery_settings.model, started,
-                      task.request.retries or 0).model_dump(mode="json")
+    return shape_chat(
+        req, result, task.request.id, task.app.batchery_settings.model, started, task.request.retries or 0
+    ).model_dump(mode="json")
 
 
-def run_completion(task, body: dict, timeout: float | None = None, *, priority: int = 0,
-                   cancelled: Callable[[], bool] | None = None) -> dict:
+def run_completion(
+    task, body: dict, timeout: float | None = None, *, priority: int = 0, cancelled: Callable[[], bool] | None = None
+) -> dict:
     """``run_chat`` for a (legacy) completion."""
     started = time.time()
     req = _validate(CompletionRequest, body)
@@ -81,8 +90,9 @@ def run_completion(task, body: dict, timeout: float | None = None, *, priority: 
     else:
         gen = GenerationRequest(prompt_token_ids=list(req.prompt), sampling=req.sampling(), priority=priority)
     result = _generate(task, gen, timeout, cancelled)
-    return shape_completion(req, result, task.request.id, task.app.batchery_settings.model, started,
-                            task.request.retries or 0).model_dump(mode="json")
+    return shape_completion(
+        req, result, task.request.id, task.app.batchery_settings.model, started, task.request.retries or 0
+    ).model_dump(mode="json")
 
 
 # -- the steps ------------------------------------------------------------------------------------
@@ -103,12 +113,11 @@ def resolve_timeout(timeout, settings) -> float:
 
 def retry_delay(retries: int, settings) -> float:
     """Exponential backoff with jitter: base * 2**retries, capped, then scaled by U(0.5, 1)."""
-    delay = min(settings.retry_backoff_max, settings.retry_backoff * (2 ** retries))
+    delay = min(settings.retry_backoff_max, settings.retry_backoff * (2**retries))
     return delay * random.uniform(0.5, 1.0)
 
 
-def _generate(task, gen: GenerationRequest, timeout,
-              cancelled: Callable[[], bool] | None = None) -> GenerationResult:
+def _generate(task, gen: GenerationRequest, timeout, cancelled: Callable[[], bool] | None = None) -> GenerationResult:
     settings = task.app.batchery_settings
     deadline = resolve_timeout(timeout, settings)
     service = getattr(task.app, "batchery_service", None)
@@ -128,11 +137,12 @@ def _generate(task, gen: GenerationRequest, timeout,
         retries = task.request.retries or 0
         if retries >= settings.max_retries:
             raise EngineFailure(f"{exc} -- gave up after {retries} retries") from None
-        raise task.retry(exc=exc, countdown=retry_delay(retries, settings), max_retries=settings.max_retries)
+        raise task.retry(exc=exc, countdown=retry_delay(retries, settings), max_retries=settings.max_retries) from exc
 
 
-def _generate_cancellable(service, gen: GenerationRequest, timeout: float,
-                          cancelled: Callable[[], bool]) -> GenerationResult:
+def _generate_cancellable(
+    service, gen: GenerationRequest, timeout: float, cancelled: Callable[[], bool]
+) -> GenerationResult:
     """``service.generate`` that also polls ``cancelled`` every ``CANCEL_POLL_S`` and then aborts
     the request in the engine (freeing its KV blocks) and raises ``RequestCancelled``."""
     deadline = time.monotonic() + timeout
@@ -164,37 +174,51 @@ def _usage(r: GenerationResult) -> Usage:
 
 
 def _timing(r: GenerationResult, started: float, attempt: int) -> Timing:
-    return Timing(task_started_at=started, engine_added_at=r.added_at, engine_finished_at=r.finished_at,
-                  attempt=attempt)
+    return Timing(
+        task_started_at=started, engine_added_at=r.added_at, engine_finished_at=r.finished_at, attempt=attempt
+    )
 
 
 def _bytes(s: str) -> list[int]:
     return list(s.encode("utf-8", errors="replace"))
 
 
-def shape_chat(req: ChatCompletionRequest, r: GenerationResult, task_id: str, model: str, started: float,
-               attempt: int = 0) -> ChatCompletion:
+def shape_chat(
+    req: ChatCompletionRequest, r: GenerationResult, task_id: str, model: str, started: float, attempt: int = 0
+) -> ChatCompletion:
     logprobs = None
     if r.logprobs is not None:
-        logprobs = ChoiceLogprobs(content=[
-            TokenLogprob(token=e["token"], logprob=e["logprob"], bytes=_bytes(e["token"]),
-                         top_logprobs=[TopLogprob(token=t["token"], logprob=t["logprob"], bytes=_bytes(t["token"]))
-                                       for t in e["top"][: req.top_logprobs or 0]])
-            for e in r.logprobs
-        ])
+        logprobs = ChoiceLogprobs(
+            content=[
+                TokenLogprob(
+                    token=e["token"],
+                    logprob=e["logprob"],
+                    bytes=_bytes(e["token"]),
+                    top_logprobs=[
+                        TopLogprob(token=t["token"], logprob=t["logprob"], bytes=_bytes(t["token"]))
+                        for t in e["top"][: req.top_logprobs or 0]
+                    ],
+                )
+                for e in r.logprobs
+            ]
+        )
     return ChatCompletion(
         id=f"chatcmpl-{task_id}",
         created=int(started),
         model=model,
-        choices=[ChatChoice(index=0, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason,
-                            logprobs=logprobs)],
+        choices=[
+            ChatChoice(
+                index=0, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason, logprobs=logprobs
+            )
+        ],
         usage=_usage(r),
         timing=_timing(r, started, attempt),
     )
 
 
-def shape_completion(req: CompletionRequest, r: GenerationResult, task_id: str, model: str, started: float,
-                     attempt: int = 0) -> Completion:
+def shape_completion(
+    req: CompletionRequest, r: GenerationResult, task_id: str, model: str, started: float, attempt: int = 0
+) -> Completion:
     logprobs = None
     if r.logprobs is not None:
         offsets, pos = [], 0
@@ -215,5 +239,3 @@ def shape_completion(req: CompletionRequest, r: GenerationResult, task_id: str, 
         usage=_usage(r),
         timing=_timing(r, started, attempt),
     )
-
-

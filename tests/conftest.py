@@ -30,7 +30,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from tiny_model import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,8 +96,13 @@ class WorkerProcess:
 
     def start(self) -> WorkerProcess:
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "batchery", "worker"], cwd=REPO, env=self.env,
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "batchery", "worker"],
+            cwd=REPO,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
         return self
 
     @property
@@ -115,8 +119,9 @@ class WorkerProcess:
         def found():
             m = re.search(pattern, self.log())
             if m is None and self.proc.poll() is not None:
-                raise AssertionError(f"worker exited ({self.proc.returncode}) before logging {pattern!r}:\n"
-                                     + self.tail())
+                raise AssertionError(
+                    f"worker exited ({self.proc.returncode}) before logging {pattern!r}:\n" + self.tail()
+                )
             return m
 
         try:
@@ -178,30 +183,32 @@ class WorkerFactory:
 
     def env(self, queue: str, **overrides) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHERY_")}
-        env.update({
-            "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
-            "PYTHONUNBUFFERED": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "BATCHERY_BROKER_URL": self.broker,
-            "BATCHERY_RESULT_BACKEND": self.backend,
-            "BATCHERY_MODEL": str(self.model_dir),
-            "BATCHERY_DTYPE": "float32",
-            "BATCHERY_QUEUE": queue,
-            "BATCHERY_HEALTH_HOST": "127.0.0.1",
-            "BATCHERY_HEALTH_PORT": str(free_port()),
-            "BATCHERY_MAX_NUM_SEQS": "64",
-            "BATCHERY_ENGINE__NUM_KV_BLOCKS": "2048",
-            "BATCHERY_ENGINE__MAX_MODEL_LEN": "8192",
-            "BATCHERY_ENGINE__MAX_NUM_BATCHED_TOKENS": "2048",
-            "BATCHERY_TASK_TIMEOUT": "60",
-            "BATCHERY_MAX_TASK_TIMEOUT": "60",
-            "BATCHERY_RETRY_BACKOFF": "0.2",
-            "BATCHERY_RETRY_BACKOFF_MAX": "2",
-            "BATCHERY_VISIBILITY_TIMEOUT": "300",
-            "BATCHERY_RESULT_EXPIRES": "600",
-            "BATCHERY_SHUTDOWN_GRACE": "5",
-            "BATCHERY_WATCHDOG_TIMEOUT": "30",
-        })
+        env.update(
+            {
+                "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+                "PYTHONUNBUFFERED": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                "BATCHERY_BROKER_URL": self.broker,
+                "BATCHERY_RESULT_BACKEND": self.backend,
+                "BATCHERY_MODEL": str(self.model_dir),
+                "BATCHERY_DTYPE": "float32",
+                "BATCHERY_QUEUE": queue,
+                "BATCHERY_HEALTH_HOST": "127.0.0.1",
+                "BATCHERY_HEALTH_PORT": str(free_port()),
+                "BATCHERY_MAX_NUM_SEQS": "64",
+                "BATCHERY_ENGINE__NUM_KV_BLOCKS": "2048",
+                "BATCHERY_ENGINE__MAX_MODEL_LEN": "8192",
+                "BATCHERY_ENGINE__MAX_NUM_BATCHED_TOKENS": "2048",
+                "BATCHERY_TASK_TIMEOUT": "60",
+                "BATCHERY_MAX_TASK_TIMEOUT": "60",
+                "BATCHERY_RETRY_BACKOFF": "0.2",
+                "BATCHERY_RETRY_BACKOFF_MAX": "2",
+                "BATCHERY_VISIBILITY_TIMEOUT": "300",
+                "BATCHERY_RESULT_EXPIRES": "600",
+                "BATCHERY_SHUTDOWN_GRACE": "5",
+                "BATCHERY_WATCHDOG_TIMEOUT": "30",
+            }
+        )
         env.update({k: str(v) for k, v in overrides.items()})
         return env
 
@@ -217,9 +224,18 @@ class WorkerFactory:
         from batchery.client import Client
         from batchery.contract.settings import Settings
 
-        return Client(settings=Settings(broker_url=self.broker, result_backend=self.backend, queue=queue,
-                                        result_expires=600, max_task_timeout=60, task_timeout=60,
-                                        retry_backoff_max=2, visibility_timeout=300))
+        return Client(
+            settings=Settings(
+                broker_url=self.broker,
+                result_backend=self.backend,
+                queue=queue,
+                result_expires=600,
+                max_task_timeout=60,
+                task_timeout=60,
+                retry_backoff_max=2,
+                visibility_timeout=300,
+            )
+        )
 
     def close(self) -> None:
         for w in self.workers:

@@ -28,8 +28,13 @@ CHAT_PROMPTS = [
 ]
 
 
-def hf_greedy(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = True,
-              with_logprobs: bool = False):
+def hf_greedy(
+    loaded: LoadedModel,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    ignore_eos: bool = True,
+    with_logprobs: bool = False,
+):
     """Hugging Face ``generate`` on one prompt alone, greedy, with transformers' own attention.
     Returns the new token ids, and with ``with_logprobs`` also each one's log-probability."""
     model = loaded.model
@@ -42,7 +47,7 @@ def hf_greedy(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens: int, i
             kwargs.update(min_new_tokens=max_new_tokens)
         with torch.inference_mode():
             out = model.generate(ids, **kwargs, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
-        new = out.sequences[0, len(prompt_ids):].tolist()
+        new = out.sequences[0, len(prompt_ids) :].tolist()
         if not with_logprobs:
             return new
         lps = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, new)]

@@ -14,14 +14,14 @@ import time
 import uuid
 
 import pytest
-
 from conftest import TEST_BROKER_URL, TEST_RESULT_BACKEND, drop_queue_keys, redis_client
+
+from batchery.broker.publish import MessageBuilder
+from batchery.client import Client
 from batchery.contract import batch
 from batchery.contract.outcomes import Outcome
-from batchery.client import Client
-from batchery.jobs.store import JobNotFound, JobStore
-from batchery.broker.publish import MessageBuilder
 from batchery.contract.settings import Settings
+from batchery.jobs.store import JobNotFound, JobStore
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
@@ -48,8 +48,14 @@ def store(prefix) -> JobStore:
 @pytest.fixture()
 def client(prefix):
     queue = f"batchery-test-{uuid.uuid4().hex[:10]}"
-    c = Client(settings=Settings(broker_url=TEST_BROKER_URL, result_backend=TEST_RESULT_BACKEND, queue=queue,
-                                 batch={"key_prefix": prefix, "max_line_bytes": 4096, "ttl": 600}))
+    c = Client(
+        settings=Settings(
+            broker_url=TEST_BROKER_URL,
+            result_backend=TEST_RESULT_BACKEND,
+            queue=queue,
+            batch={"key_prefix": prefix, "max_line_bytes": 4096, "ttl": 600},
+        )
+    )
     yield c
     drop_queue_keys(redis_client(TEST_BROKER_URL), queue)
     c.close()
@@ -76,8 +82,9 @@ def new_job(store: JobStore, total: int | None = None) -> str:
 
 
 def ok(job: str, line: int, tokens: int = 3) -> dict:
-    return batch.output_record(job, line, f"c{line}", f"{job}-{line}",
-                               {"usage": {"prompt_tokens": 2, "completion_tokens": tokens}})
+    return batch.output_record(
+        job, line, f"c{line}", f"{job}-{line}", {"usage": {"prompt_tokens": 2, "completion_tokens": tokens}}
+    )
 
 
 # -- acceptance 2: idempotency ---------------------------------------------------------------------
@@ -96,7 +103,9 @@ def test_the_same_result_delivered_twice_counts_once(store):
 
     def deliver(i: int) -> None:
         barrier.wait()
-        rec = ok(job, 2) if i % 2 else batch.error_record(job, 2, "c2", Outcome.ENGINE_ERROR.value, "x", status_code=500)
+        rec = (
+            ok(job, 2) if i % 2 else batch.error_record(job, 2, "c2", Outcome.ENGINE_ERROR.value, "x", status_code=500)
+        )
         outcomes.append(store.write(job, 2, rec, bool(i % 2 == 0), 2, 3))
 
     threads = [threading.Thread(target=deliver, args=(i,)) for i in range(8)]
@@ -201,8 +210,15 @@ def test_list_newest_first_and_drops_expired(store):
 # -- the submitter ----------------------------------------------------------------------------------
 def test_submit_validates_streams_and_enqueues_valid_lines(client, tmp_path):
     path = tmp_path / "in.jsonl"
-    lines = [json.dumps(req("a")), "", "{oops", json.dumps(req("b", temperature=0)), json.dumps(req("a")),
-             "x" * 5000, json.dumps({**req("c"), "url": "/v1/completions", "body": {"prompt": "hi"}})]
+    lines = [
+        json.dumps(req("a")),
+        "",
+        "{oops",
+        json.dumps(req("b", temperature=0)),
+        json.dumps(req("a")),
+        "x" * 5000,
+        json.dumps({**req("c"), "url": "/v1/completions", "body": {"prompt": "hi"}}),
+    ]
     path.write_text("\n".join(lines) + "\n")
     job = client.submit_batch(path, timeout=30, priority=0, metadata={"team": "qa"})
     st = client.batch_status(job)
@@ -210,14 +226,24 @@ def test_submit_validates_streams_and_enqueues_valid_lines(client, tmp_path):
     assert st.request_counts.model_dump() == {"total": 6, "completed": 0, "failed": 3}
     errors = list(client.batch_results(job))
     assert [(e["error"]["line"], e["error"]["code"]) for e in errors] == [
-        (3, "invalid_json"), (5, "duplicate_custom_id"), (6, "line_too_large")]
+        (3, "invalid_json"),
+        (5, "duplicate_custom_id"),
+        (6, "line_too_large"),
+    ]
     msgs = queued(client)
     assert [m["kwargs"]["line"] for m in msgs] == [1, 4, 7]  # in input order, first out first
     m = msgs[0]
     assert m["headers"]["task"] == "batchery.batch_line" and m["headers"]["id"] == f"{job}-1"
     assert m["headers"]["ignore_result"] is True
-    assert m["kwargs"] == {"job": job, "line": 1, "custom_id": "a", "url": "/v1/chat/completions",
-                           "body": CHAT, "timeout": 30.0, "priority": 0}
+    assert m["kwargs"] == {
+        "job": job,
+        "line": 1,
+        "custom_id": "a",
+        "url": "/v1/chat/completions",
+        "body": CHAT,
+        "timeout": 30.0,
+        "priority": 0,
+    }
     assert msgs[2]["kwargs"]["url"] == "/v1/completions"
 
 
@@ -251,7 +277,9 @@ def test_iterables_of_dicts_and_lines(client):
     st = client.batch_status(job)
     assert st.request_counts.model_dump() == {"total": 4, "completed": 0, "failed": 2}
     assert [(e["error"]["line"], e["error"]["code"]) for e in client.batch_results(job)] == [
-        (4, "invalid_line"), (5, "missing_custom_id")]
+        (4, "invalid_line"),
+        (5, "missing_custom_id"),
+    ]
 
 
 def test_job_level_failures(client, tmp_path):
@@ -280,11 +308,14 @@ def test_line_counting_for_the_limit(tmp_path):
     assert not exceeds_max_lines(path, 3) and exceeds_max_lines(path, 2)
 
 
-@pytest.mark.parametrize("bad, needle", [
-    (dict(timeout=0), "timeout must be a positive number"),
-    (dict(priority=10), "priority must be an integer from 0"),
-    (dict(metadata={"k": "v" * 600}), "metadata"),
-])
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        (dict(timeout=0), "timeout must be a positive number"),
+        (dict(priority=10), "priority must be an integer from 0"),
+        (dict(metadata={"k": "v" * 600}), "metadata"),
+    ],
+)
 def test_bad_job_options_are_refused_before_anything_is_created(client, bad, needle):
     from batchery.contract.errors import InvalidRequest
 

@@ -12,12 +12,28 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchery.contract import batch
+from batchery.contract.batch import (
+    BatchLine,
+    LineError,
+    error_record,
+    line_error_record,
+    output_record,
+    parse_line,
+    parse_stream,
+)
 from batchery.contract.outcomes import Outcome
-from batchery.contract.batch import BatchLine, LineError, error_record, line_error_record, output_record, parse_line, parse_stream
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
-CODES = {batch.INVALID_JSON, batch.INVALID_LINE, batch.MISSING_CUSTOM_ID, batch.DUPLICATE_CUSTOM_ID,
-         batch.UNSUPPORTED_METHOD, batch.UNSUPPORTED_URL, batch.INVALID_BODY, batch.LINE_TOO_LARGE}
+CODES = {
+    batch.INVALID_JSON,
+    batch.INVALID_LINE,
+    batch.MISSING_CUSTOM_ID,
+    batch.DUPLICATE_CUSTOM_ID,
+    batch.UNSUPPORTED_METHOD,
+    batch.UNSUPPORTED_URL,
+    batch.INVALID_BODY,
+    batch.LINE_TOO_LARGE,
+}
 
 
 def line(custom_id="a", method="POST", url="/v1/chat/completions", body=None, **extra) -> str:
@@ -25,27 +41,30 @@ def line(custom_id="a", method="POST", url="/v1/chat/completions", body=None, **
     return json.dumps(d)
 
 
-@pytest.mark.parametrize("raw, code, needle", [
-    ("{not json", batch.INVALID_JSON, "invalid JSON"),
-    (b"\xff\xfe{}", batch.INVALID_JSON, "not valid UTF-8"),
-    ('{"custom_id": "a", "x": NaN}', batch.INVALID_JSON, "NaN is not valid JSON"),
-    ("[" * 5000, batch.INVALID_JSON, "nested too deeply"),
-    ("[1, 2]", batch.INVALID_LINE, "expected a JSON object, got an array"),
-    ('"just a string"', batch.INVALID_LINE, "got a string"),
-    (json.dumps({"method": "POST", "url": "/v1/completions", "body": {}}), batch.MISSING_CUSTOM_ID, "missing"),
-    (line(custom_id=""), batch.MISSING_CUSTOM_ID, "must not be empty"),
-    (line(custom_id=7), batch.MISSING_CUSTOM_ID, "got a number"),
-    (line(custom_id="x" * 600), batch.MISSING_CUSTOM_ID, "limit is 512"),
-    (line(method="GET"), batch.UNSUPPORTED_METHOD, 'got "GET"'),
-    (line(url="/v1/embeddings"), batch.UNSUPPORTED_URL, '"/v1/embeddings"'),
-    (line(url=None), batch.UNSUPPORTED_URL, "got null"),
-    (line(body=[1]), batch.INVALID_BODY, "body must be a JSON object"),
-    (line(body={"messages": CHAT["messages"], "max_tokens": -1}), batch.INVALID_BODY, "max_tokens"),
-    (line(body={"messages": []}), batch.INVALID_BODY, "messages"),
-    (line(body={"messages": CHAT["messages"], "temperature": 9}), batch.INVALID_BODY, "temperature"),
-    (line(url="/v1/completions", body={"prompt": "hi", "n": 3}), batch.INVALID_BODY, "n must be 1"),
-    (line(extra_field=1), batch.INVALID_LINE, "unknown field(s) 'extra_field'"),
-])
+@pytest.mark.parametrize(
+    "raw, code, needle",
+    [
+        ("{not json", batch.INVALID_JSON, "invalid JSON"),
+        (b"\xff\xfe{}", batch.INVALID_JSON, "not valid UTF-8"),
+        ('{"custom_id": "a", "x": NaN}', batch.INVALID_JSON, "NaN is not valid JSON"),
+        ("[" * 5000, batch.INVALID_JSON, "nested too deeply"),
+        ("[1, 2]", batch.INVALID_LINE, "expected a JSON object, got an array"),
+        ('"just a string"', batch.INVALID_LINE, "got a string"),
+        (json.dumps({"method": "POST", "url": "/v1/completions", "body": {}}), batch.MISSING_CUSTOM_ID, "missing"),
+        (line(custom_id=""), batch.MISSING_CUSTOM_ID, "must not be empty"),
+        (line(custom_id=7), batch.MISSING_CUSTOM_ID, "got a number"),
+        (line(custom_id="x" * 600), batch.MISSING_CUSTOM_ID, "limit is 512"),
+        (line(method="GET"), batch.UNSUPPORTED_METHOD, 'got "GET"'),
+        (line(url="/v1/embeddings"), batch.UNSUPPORTED_URL, '"/v1/embeddings"'),
+        (line(url=None), batch.UNSUPPORTED_URL, "got null"),
+        (line(body=[1]), batch.INVALID_BODY, "body must be a JSON object"),
+        (line(body={"messages": CHAT["messages"], "max_tokens": -1}), batch.INVALID_BODY, "max_tokens"),
+        (line(body={"messages": []}), batch.INVALID_BODY, "messages"),
+        (line(body={"messages": CHAT["messages"], "temperature": 9}), batch.INVALID_BODY, "temperature"),
+        (line(url="/v1/completions", body={"prompt": "hi", "n": 3}), batch.INVALID_BODY, "n must be 1"),
+        (line(extra_field=1), batch.INVALID_LINE, "unknown field(s) 'extra_field'"),
+    ],
+)
 def test_each_bad_line_gets_its_code_and_line_number(raw, code, needle):
     out = parse_line(raw, 7, set())
     assert isinstance(out, LineError), out
@@ -80,18 +99,25 @@ def test_blank_lines_are_ignored(raw):
 def test_stream_numbers_physical_lines_and_skips_oversized_ones_without_holding_them():
     limit = 1024
     huge = b'{"custom_id": "big", "pad": "' + b"x" * 50_000 + b'"}'
-    data = b"\n".join([
-        line("a").encode(),
-        b"",
-        huge,
-        line("b").encode(),
-        b"x" * (limit + 1),  # just over
-        b"  ",
-        line("d").encode(),  # last line, no newline
-    ])
+    data = b"\n".join(
+        [
+            line("a").encode(),
+            b"",
+            huge,
+            line("b").encode(),
+            b"x" * (limit + 1),  # just over
+            b"  ",
+            line("d").encode(),  # last line, no newline
+        ]
+    )
     items = list(parse_stream(io.BytesIO(data), limit))
     assert [(i.line, getattr(i, "code", "ok")) for i in items] == [
-        (1, "ok"), (3, batch.LINE_TOO_LARGE), (4, "ok"), (5, batch.LINE_TOO_LARGE), (7, "ok")]
+        (1, "ok"),
+        (3, batch.LINE_TOO_LARGE),
+        (4, "ok"),
+        (5, batch.LINE_TOO_LARGE),
+        (7, "ok"),
+    ]
     assert f"has {len(huge)} bytes" in items[1].message and f"limit is {limit}" in items[1].message
     assert f"has {limit + 1} bytes" in items[3].message
 
@@ -111,17 +137,29 @@ def test_line_exactly_at_the_limit_is_accepted_with_crlf():
 
 def test_records_have_the_openai_batch_shape():
     out = output_record("batch_abc", 3, "x", "req-1", {"object": "chat.completion"})
-    assert out == {"id": "batch_req_abc_3", "custom_id": "x",
-                   "response": {"status_code": 200, "request_id": "req-1", "body": {"object": "chat.completion"}},
-                   "error": None}
+    assert out == {
+        "id": "batch_req_abc_3",
+        "custom_id": "x",
+        "response": {"status_code": 200, "request_id": "req-1", "body": {"object": "chat.completion"}},
+        "error": None,
+    }
     err = line_error_record("batch_abc", LineError(4, None, batch.INVALID_JSON, "bad"))
-    assert err == {"id": "batch_req_abc_4", "custom_id": None, "response": None,
-                   "error": {"code": "invalid_json", "message": "bad", "line": 4}}
-    err = error_record("batch_abc", 5, "y", Outcome.CONTEXT_LENGTH_EXCEEDED.value, "too long", status_code=400,
-                       request_id="r")
+    assert err == {
+        "id": "batch_req_abc_4",
+        "custom_id": None,
+        "response": None,
+        "error": {"code": "invalid_json", "message": "bad", "line": 4},
+    }
+    err = error_record(
+        "batch_abc", 5, "y", Outcome.CONTEXT_LENGTH_EXCEEDED.value, "too long", status_code=400, request_id="r"
+    )
     assert err["response"]["status_code"] == 400
-    assert err["response"]["body"]["error"] == {"message": "too long", "type": "invalid_request_error",
-                                                "param": None, "code": "context_length_exceeded"}
+    assert err["response"]["body"]["error"] == {
+        "message": "too long",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "context_length_exceeded",
+    }
     assert err["error"] == {"code": "context_length_exceeded", "message": "too long", "line": 5}
 
 
@@ -133,18 +171,29 @@ json_values = st.recursive(
 )
 bodies = st.one_of(
     json_values,
-    st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries(
-        {"role": st.sampled_from(["user", "system", "assistant", "robot"]), "content": json_values}), max_size=3)},
-        optional={"max_tokens": json_values, "temperature": json_values, "stop": json_values, "n": json_values}),
+    st.fixed_dictionaries(
+        {
+            "messages": st.lists(
+                st.fixed_dictionaries(
+                    {"role": st.sampled_from(["user", "system", "assistant", "robot"]), "content": json_values}
+                ),
+                max_size=3,
+            )
+        },
+        optional={"max_tokens": json_values, "temperature": json_values, "stop": json_values, "n": json_values},
+    ),
     st.fixed_dictionaries({"prompt": json_values}, optional={"max_tokens": json_values, "logprobs": json_values}),
 )
-line_objects = st.fixed_dictionaries({}, optional={
-    "custom_id": st.one_of(st.text(max_size=10), json_values),
-    "method": st.sampled_from(["POST", "GET", "post", None]),
-    "url": st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "", None]),
-    "body": bodies,
-    "extra": json_values,
-})
+line_objects = st.fixed_dictionaries(
+    {},
+    optional={
+        "custom_id": st.one_of(st.text(max_size=10), json_values),
+        "method": st.sampled_from(["POST", "GET", "post", None]),
+        "url": st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "", None]),
+        "body": bodies,
+        "extra": json_values,
+    },
+)
 
 
 def _check(out, raw_is_blank: bool, line_no: int) -> None:

@@ -16,12 +16,12 @@ import sys
 import time
 
 import pytest
-
 from conftest import REPO, TEST_BROKER_URL, redis_client, wait_for
-from batchery.cli import BATCH_COMMANDS, COMMANDS, build_parser
-from batchery.progress import Progress
+
 from batchery.broker.publish import MessageBuilder
+from batchery.cli import BATCH_COMMANDS, COMMANDS, build_parser
 from batchery.contract.schemas import BatchJob, ChatCompletion, Completion
+from batchery.progress import Progress
 
 HI = [{"role": "user", "content": "hello world"}]
 
@@ -59,11 +59,12 @@ def mixed_job_lines() -> tuple[list[str], dict[int, str], list[int]]:
         (json.dumps({**req("no-messages"), "body": {"messages": []}}), "invalid_body"),
         (json.dumps(req("hot", temperature=7)), "invalid_body"),
         # 9,000 tokens on a worker whose max_model_len is 8,192: only the worker can tell
-        (json.dumps(req("too-long", "/v1/completions", prompt="hello " * 9000, max_tokens=2)),
-         "context_length_exceeded"),
+        (
+            json.dumps(req("too-long", "/v1/completions", prompt="hello " * 9000, max_tokens=2)),
+            "context_length_exceeded",
+        ),
         (json.dumps(req("huge", messages=[{"role": "user", "content": "x" * 70_000}])), "line_too_large"),
-        (json.dumps(req("chat-2", messages=[{"role": "user", "content": "the cat and the dog"}], max_tokens=6)),
-         None),
+        (json.dumps(req("chat-2", messages=[{"role": "user", "content": "the cat and the dog"}], max_tokens=6)), None),
         ("   ", None),
     ]
     errors = {n: code for n, (_, code) in enumerate(rows, 1) if code}
@@ -101,8 +102,11 @@ def test_mixed_job_every_line_accounted_for_in_input_order(bclient, tmp_path, ti
     job_id = bclient.submit_batch(path, timeout=60, metadata={"case": "mixed"})
     job = bclient.wait_batch(job_id, timeout=120)
     assert job.status == "completed"
-    assert job.request_counts.model_dump() == {"total": len(valid) + len(errors), "completed": len(valid),
-                                               "failed": len(errors)}
+    assert job.request_counts.model_dump() == {
+        "total": len(valid) + len(errors),
+        "completed": len(valid),
+        "failed": len(errors),
+    }
     assert job.usage.completion_tokens > 0 and job.metadata == {"case": "mixed"}
     records = list(bclient.batch_results(job_id))
     check_mixed_records(records, errors, valid, job_id)
@@ -128,8 +132,13 @@ def test_each_line_delivered_twice_counts_once(bclient, tiny_worker):
     n = 6
     msgs = []
     for line in range(1, n + 1):
-        kwargs = {"job": job_id, "line": line, "custom_id": f"r{line}", "url": "/v1/chat/completions",
-                  "body": {"messages": HI, "max_tokens": 8, "temperature": 0, "ignore_eos": True}}
+        kwargs = {
+            "job": job_id,
+            "line": line,
+            "custom_id": f"r{line}",
+            "url": "/v1/chat/completions",
+            "body": {"messages": HI, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+        }
         msgs += [builder.build(f"{job_id}-{line}", kwargs) for _ in range(2)]
     store.r.hset(store.key(job_id), "total", n)
     with redis_client(TEST_BROKER_URL).pipeline() as p:
@@ -159,8 +168,11 @@ def test_cancel_mid_job(workers):
     long = [req(f"long-{i}", max_tokens=3000, ignore_eos=True) for i in range(40)]
     job_id = c.submit_batch(short + long)
     engine = lambda: w.stats()["engine"]  # noqa: E731
-    wait_for(lambda: c.batch_status(job_id).request_counts.completed >= 4 and engine()["num_running"] >= 4, 60,
-             what="the short lines done and long ones running")
+    wait_for(
+        lambda: c.batch_status(job_id).request_counts.completed >= 4 and engine()["num_running"] >= 4,
+        60,
+        what="the short lines done and long ones running",
+    )
     t0 = time.monotonic()
     st = c.cancel_batch(job_id)
     assert st.status in ("cancelling", "cancelled")
@@ -173,13 +185,23 @@ def test_cancel_mid_job(workers):
     assert [r["custom_id"] for r in records[:4]] == [f"short-{i}" for i in range(4)]
     assert all(r["response"]["status_code"] == 200 for r in records)
     # nothing left running in the engine, every KV block back; the rest of the queue is skipped
-    wait_for(lambda: (e := engine())["num_running"] == 0 and e["num_waiting"] == 0
-             and e["kv_blocks_free"] == e["kv_blocks_total"] and w.stats()["num_pending"] == 0, 10,
-             what="an empty engine")
+    wait_for(
+        lambda: (
+            (e := engine())["num_running"] == 0
+            and e["num_waiting"] == 0
+            and e["kv_blocks_free"] == e["kv_blocks_total"]
+            and w.stats()["num_pending"] == 0
+        ),
+        10,
+        what="an empty engine",
+    )
     r = redis_client(TEST_BROKER_URL)
     wait_for(lambda: r.llen(w.queue) == 0, 30, what="the queue to drain")
-    wait_for(lambda: w.count(r"s: cancelled |") + w.count(r"s: skipped \(cancel") >= 44 - counts.completed, 30,
-             what="every unfinished line to be aborted or skipped")
+    wait_for(
+        lambda: w.count(r"s: cancelled |") + w.count(r"s: skipped \(cancel") >= 44 - counts.completed,
+        30,
+        what="every unfinished line to be aborted or skipped",
+    )
     assert w.count(r"s: cancelled |") >= 1  # at least one line was aborted while running
     assert c.batch_status(job_id).request_counts == counts  # and nothing moves afterwards
     c.jobs.delete(job_id)
@@ -188,8 +210,9 @@ def test_cancel_mid_job(workers):
 
 # -- the CLI ---------------------------------------------------------------------------------------------------
 def cli(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "batchery", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "batchery", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_every_command_has_help(capsys):
@@ -264,12 +287,12 @@ def test_progress_bar_shows_done_failed_rate_and_eta():
     base = dict(id="batch_x", queue="q", created_at=0.0, status="in_progress")
     bar.update(BatchJob(**base, request_counts={"total": 100, "completed": 0, "failed": 0}))
     bar._samples[0] = (bar._samples[0][0] - 10.0, 0, 0)  # ten seconds ago
-    bar.update(BatchJob(**base, request_counts={"total": 100, "completed": 45, "failed": 5},
-                        usage={"completion_tokens": 2000}))
+    bar.update(
+        BatchJob(**base, request_counts={"total": 100, "completed": 45, "failed": 5}, usage={"completion_tokens": 2000})
+    )
     line = stream.getvalue().split("\r")[-1]
     assert line.startswith("[#####-----]  50/100 done  5 failed")
     assert "200.0 tok/s" in line and "ETA 0:00:10" in line and line.endswith("in_progress\x1b[K")
-    bar.update(BatchJob(**{**base, "status": "completed"}, request_counts={"total": 100, "completed": 95,
-                                                                           "failed": 5}))
+    bar.update(BatchJob(**{**base, "status": "completed"}, request_counts={"total": 100, "completed": 95, "failed": 5}))
     bar.close()
     assert stream.getvalue().endswith("ETA 0:00:00  completed\x1b[K\n")

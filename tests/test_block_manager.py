@@ -72,9 +72,11 @@ def probe_hits(bm: BlockManager, tokens) -> int:
 
 
 def test_pure_python_modules_do_not_import_torch():
-    code = ("import sys, batchery.engine.scheduler, batchery.engine.block_manager, batchery.engine.sequence, "
-            "batchery.engine.sampling, batchery.engine.outputs, batchery.engine.stop_checker; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys, batchery.engine.scheduler, batchery.engine.block_manager, batchery.engine.sequence, "
+        "batchery.engine.sampling, batchery.engine.outputs, batchery.engine.stop_checker; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
 
@@ -87,6 +89,7 @@ def test_rejects_empty_pool_or_block_size():
 
 
 # -- allocation, free, reference counts --------------------------------------------------------
+
 
 def test_allocate_grows_table_to_cover_tokens_and_free_returns_blocks():
     bm = BlockManager(8, BS)
@@ -121,6 +124,7 @@ def test_two_sequences_get_distinct_blocks():
 
 
 # -- prefix caching ----------------------------------------------------------------------------
+
 
 def test_shared_prefix_reuses_full_blocks_with_ref_count_two():
     bm = BlockManager(16, BS)
@@ -268,6 +272,7 @@ def test_blocks_after_a_duplicate_block_keep_their_chained_hash():
 
 # -- LRU eviction ------------------------------------------------------------------------------
 
+
 def test_least_recently_freed_cached_block_is_evicted_first():
     bm = BlockManager(4, BS)
     pa, pb = list(range(10, 18)), list(range(20, 28))
@@ -355,6 +360,7 @@ def test_anonymous_free_blocks_are_reused_before_cached_ones():
 
 
 # -- can_allocate / can_append -----------------------------------------------------------------
+
 
 def test_can_allocate_and_can_append():
     bm = BlockManager(3, BS)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-
 from conftest import REPO, TEST_BROKER_URL, redis_client
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -20,8 +19,9 @@ import chaos  # noqa: E402  (benchmarks/chaos.py)
 
 @pytest.fixture(scope="module")
 def harness(tiny_model_dir, redis_urls, tmp_path_factory):
-    h = chaos.Chaos(str(tiny_model_dir), TEST_BROKER_URL, tmp_path_factory.mktemp("chaos"), chaos.Sizes.fast(),
-                    verbose=False)
+    h = chaos.Chaos(
+        str(tiny_model_dir), TEST_BROKER_URL, tmp_path_factory.mktemp("chaos"), chaos.Sizes.fast(), verbose=False
+    )
     yield h
     h.close()
 
@@ -107,8 +107,8 @@ def test_hostile_messages_do_not_take_the_worker_down(tiny_worker, tiny_client):
     import uuid
 
     from conftest import wait_for
-    from batchery.contract.names import BATCH_LINE_TASK
-    from batchery.contract.names import CHAT_TASK
+
+    from batchery.contract.names import BATCH_LINE_TASK, CHAT_TASK
 
     app, q, store = tiny_client.app, tiny_worker.queue, tiny_client.jobs
     job = f"batch_hostile{uuid.uuid4().hex[:8]}"
@@ -131,8 +131,9 @@ def test_hostile_messages_do_not_take_the_worker_down(tiny_worker, tiny_client):
     refused = r"(?i)can't decode message body"
     n_refused = tiny_worker.count(refused)
     r = redis_client(TEST_BROKER_URL)
-    r.lpush(q, *[_raw_message(app, task, q, ids[name], body)
-                 for name, (task, body) in {**tagged, **undecodable}.items()])
+    r.lpush(
+        q, *[_raw_message(app, task, q, ids[name], body) for name, (task, body) in {**tagged, **undecodable}.items()]
+    )
     for name in tagged:
         tiny_worker.wait_for_log(rf"\[{ids[name]}\] (raised|succeeded)", 30)
     wait_for(lambda: tiny_worker.count(refused) >= n_refused + 2, 30, what="two undecodable bodies refused")
@@ -143,8 +144,10 @@ def test_hostile_messages_do_not_take_the_worker_down(tiny_worker, tiny_client):
     status, health = tiny_worker.http("/healthz")
     assert status == 200 and health["state"] == "serving"
     assert tiny_worker.stats()["num_failures"] == 0  # none of it made an engine step fail
-    assert tiny_client.chat([{"role": "user", "content": "hello"}], max_tokens=3).get(timeout=60) \
-        .usage.completion_tokens == 3
+    assert (
+        tiny_client.chat([{"role": "user", "content": "hello"}], max_tokens=3).get(timeout=60).usage.completion_tokens
+        == 3
+    )
     store.delete(job)
 
 
@@ -156,8 +159,9 @@ def test_poison_chat_request_reaches_the_client_as_engine_crash(workers):
     w = workers.spawn(BATCHERY_FAULTS=f"poison:{chaos.POISON}")
     client = workers.client(w.queue)
     poison = client.chat([{"role": "user", "content": f"the cat {chaos.POISON} sat"}], max_tokens=4)
-    others = client.chat_many([[{"role": "user", "content": f"hello {i}"}] for i in range(6)], max_tokens=4,
-                              ignore_eos=True)
+    others = client.chat_many(
+        [[{"role": "user", "content": f"hello {i}"}] for i in range(6)], max_tokens=4, ignore_eos=True
+    )
     with pytest.raises(EngineCrash, match=r"ran alone.*InjectedFault"):
         poison.get(timeout=120)
     assert all(h.get(timeout=120).usage.completion_tokens == 4 for h in others)

@@ -6,11 +6,11 @@ import asyncio
 import subprocess
 import sys
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
-
 from conftest import REPO, redis_client
+
 from batchery.client import Client, InvalidRequest, ResultTimeout, TaskExpired
 from batchery.contract.schemas import ChatCompletion
 
@@ -18,8 +18,10 @@ HI = [{"role": "user", "content": "hello world"}]
 
 
 def test_client_module_is_light():
-    code = ("import sys, batchery.client; heavy = [m for m in ('torch', 'transformers', 'batchery.engine.llm_engine') "
-            "if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)")
+    code = (
+        "import sys, batchery.client; heavy = [m for m in ('torch', 'transformers', 'batchery.engine.llm_engine') "
+        "if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -81,7 +83,7 @@ def test_aget_gathers_results(tiny_client):
 
 
 def test_expired_task_is_not_started(tiny_client, tiny_worker):
-    past = datetime.now(timezone.utc) - timedelta(seconds=5)
+    past = datetime.now(UTC) - timedelta(seconds=5)
     h = tiny_client.chat(HI, max_tokens=4, expires=past)
     with pytest.raises(TaskExpired, match="expired"):
         h.get(timeout=30)

@@ -301,8 +301,12 @@ def test_env_example_documents_every_variable(raw):
         used |= {k for k, v in (env.items() if isinstance(env, dict) else []) if v is None}
     undocumented = sorted(used - set(entries))
     assert not undocumented, f".env.example does not mention {undocumented}"
-    unknown = sorted({k for k in entries if k.startswith("BATCHERY_")} - setting_env_names() - COMPOSE_ONLY
-                     - {"BATCHERY_SEND_EVENTS"})
+    unknown = sorted(
+        {k for k in entries if k.startswith("BATCHERY_")}
+        - setting_env_names()
+        - COMPOSE_ONLY
+        - {"BATCHERY_SEND_EVENTS"}
+    )
     assert not unknown, f".env.example names variables nothing reads: {unknown}"
 
 
@@ -327,8 +331,17 @@ def test_env_example_defaults_match_compose_and_settings(compose):
     assert entries["BATCHERY_SHUTDOWN_GRACE"] == env["BATCHERY_SHUTDOWN_GRACE"]
     assert entries["BATCHERY_STOP_GRACE_PERIOD"] == compose["services"]["worker"]["stop_grace_period"]
     assert entries["BATCHERY_BROKER_URL"] == env["BATCHERY_BROKER_URL"]
-    for name in ("model", "dtype", "max_num_seqs", "task_timeout", "max_task_timeout", "max_retries",
-                 "watchdog_timeout", "health_port", "log_level"):
+    for name in (
+        "model",
+        "dtype",
+        "max_num_seqs",
+        "task_timeout",
+        "max_task_timeout",
+        "max_retries",
+        "watchdog_timeout",
+        "health_port",
+        "log_level",
+    ):
         default = Settings.model_fields[name].default
         shown = entries[f"BATCHERY_{name.upper()}"]
         assert type(default)(shown) == default, f".env.example shows {name}={shown}, the default is {default}"
@@ -348,8 +361,11 @@ def test_workers_send_task_events_for_flower(services):
         assert services[name]["environment"]["BATCHERY_SEND_EVENTS"].lower() in ("1", "true", "yes")
 
 
-@pytest.mark.xfail("send_events" not in Settings.model_fields, strict=True,
-                   reason="worker Settings has no send_events field yet: BATCHERY_SEND_EVENTS is ignored")
+@pytest.mark.xfail(
+    "send_events" not in Settings.model_fields,
+    strict=True,
+    reason="worker Settings has no send_events field yet: BATCHERY_SEND_EVENTS is ignored",
+)
 def test_send_events_setting_exists():
     assert Settings.model_fields["send_events"].annotation in (bool, bool | None)
 
@@ -388,10 +404,18 @@ def test_gpu_image_keeps_the_base_cuda_torch():
 
 
 def test_dockerignore_sends_only_the_sources():
-    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines()
-                if p.strip() and not p.startswith("#")]
-    for path in (".env", ".venv/bin/python", ".git/HEAD", "tests/test_worker.py", "results.jsonl",
-                 "engine/__pycache__/llm.cpython-311.pyc", ".cache/batchery/models/x.gguf"):
+    patterns = [
+        p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")
+    ]
+    for path in (
+        ".env",
+        ".venv/bin/python",
+        ".git/HEAD",
+        "tests/test_worker.py",
+        "results.jsonl",
+        "engine/__pycache__/llm.cpython-311.pyc",
+        ".cache/batchery/models/x.gguf",
+    ):
         assert dockerignore_excludes(path, patterns), f"{path} would be sent to the docker build"
     for dockerfile in ("Dockerfile", "Dockerfile.cpu"):
         for word, rest in dockerfile_instructions(ROOT / dockerfile):
@@ -418,8 +442,10 @@ def docker_compose() -> str:
     exe = shutil.which("docker-compose")
     if exe is None:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail("docker-compose is not installed; CI must run `apt-get install -y docker-compose` "
-                        "(Debian's package validates compose files without a Docker engine)")
+            pytest.fail(
+                "docker-compose is not installed; CI must run `apt-get install -y docker-compose` "
+                "(Debian's package validates compose files without a Docker engine)"
+            )
         pytest.skip("docker-compose not installed (apt-get install -y docker-compose)")
     return exe
 
@@ -445,15 +471,17 @@ def test_docker_compose_config_validates(docker_compose, project, compose):
     worker = got["services"]["worker"]
     assert duration_s(worker["stop_grace_period"]) == duration_s(compose["services"]["worker"]["stop_grace_period"])
     assert worker["deploy"]["resources"]["reservations"]["devices"] == [
-        {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+        {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
+    ]
     assert got["services"]["redis"]["ports"] == ["127.0.0.1:6379:6379/tcp"]
     # pass-through settings stay unset, so the worker's own defaults apply
     assert worker["environment"]["BATCHERY_MODEL"] is None
 
 
 def test_docker_compose_config_validates_with_every_profile(docker_compose, project):
-    got = run_config(docker_compose, project, "--profile", "cpu", "--profile", "monitoring", "--profile", "cli",
-                     "-f", "compose.yaml")
+    got = run_config(
+        docker_compose, project, "--profile", "cpu", "--profile", "monitoring", "--profile", "cli", "-f", "compose.yaml"
+    )
     assert {"redis", "worker", "worker-cpu", "flower", "cli"} <= set(got["services"])
 
 
@@ -473,7 +501,7 @@ def doc_compose_files() -> dict[str, str]:
     blocks = re.findall(r"^( *)```yaml\n(.*?)^\1```", DEPLOY_DOC.read_text(), flags=re.S | re.M)
     files = {}
     for indent, body in blocks:
-        body = "\n".join(line[len(indent):] for line in body.splitlines()) + "\n"
+        body = "\n".join(line[len(indent) :] for line in body.splitlines()) + "\n"
         m = re.match(r"# file: (\S+)\n", body)
         if m:
             files[m.group(1)] = body
@@ -492,13 +520,15 @@ def test_deploy_doc_override_files_validate(docker_compose, project, name):
     services = got["services"]
     # the base worker keeps exactly its one GPU
     assert services["worker"]["deploy"]["resources"]["reservations"]["devices"] == [
-        {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+        {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
+    ]
     if name == "compose.gpus.yaml":
         extra = sorted(n for n in services if n.startswith("worker-gpu"))
         assert extra, "no per-GPU services"
         for i, n in enumerate(extra, start=1):
             assert services[n]["deploy"]["resources"]["reservations"]["devices"] == [
-                {"driver": "nvidia", "device_ids": [str(i)], "capabilities": ["gpu"]}], n
+                {"driver": "nvidia", "device_ids": [str(i)], "capabilities": ["gpu"]}
+            ], n
             assert services[n]["environment"]["BATCHERY_BROKER_URL"] == "redis://redis:6379/0"
             assert services[n]["depends_on"]["redis"]["condition"] == "service_healthy"
             assert duration_s(services[n]["stop_grace_period"]) == duration_s(services["worker"]["stop_grace_period"])

@@ -35,14 +35,19 @@ def _case(dtype, block_size, hkv, groups, head_dim, seed=0, ctx=None):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("block_size,hkv,groups,head_dim",
-                         [(16, 3, 3, 64), (5, 3, 3, 64), (8, 2, 4, 128), (4, 2, 1, 32), (8, 1, 4, 16)])
+@pytest.mark.parametrize(
+    "block_size,hkv,groups,head_dim", [(16, 3, 3, 64), (5, 3, 3, 64), (8, 2, 4, 128), (4, 2, 1, 32), (8, 1, 4, 16)]
+)
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 3.0), (9, 2.0)])
 def test_cpu_decode_matches_reference(dtype, tol, block_size, hkv, groups, head_dim, window, softcap):
     q, kc, vc, tables, ctx = _case(dtype, block_size, hkv, groups, head_dim)
-    md = AttentionMetadata(slot_mapping=torch.zeros(len(ctx), dtype=torch.long), num_decode_tokens=len(ctx),
-                           decode_block_tables=tables, decode_context_lens=ctx)
-    scale = head_dim ** -0.5 * 4  # sharper scores make the window and the cap matter
+    md = AttentionMetadata(
+        slot_mapping=torch.zeros(len(ctx), dtype=torch.long),
+        num_decode_tokens=len(ctx),
+        decode_block_tables=tables,
+        decode_context_lens=ctx,
+    )
+    scale = head_dim**-0.5 * 4  # sharper scores make the window and the cap matter
     ref = torch_backend.paged_attention(q, None, None, kc, vc, md, scale, window, softcap)
     got = cpu_paged.paged_decode(q, kc, vc, tables, ctx, scale, window, softcap)
     assert got.dtype == q.dtype and got.shape == q.shape
@@ -58,9 +63,13 @@ def test_cpu_decode_many_sequences(dtype, tol, head_dim, window, softcap):
     """Enough sequences that each kernel task takes all KV heads of a sequence (the other split)."""
     ctx = tuple(1 + (37 * i) % 97 for i in range(max(24, 4 * torch.get_num_threads())))
     q, kc, vc, tables, ctx = _case(dtype, 16, 3, 3, head_dim, seed=1, ctx=ctx)
-    md = AttentionMetadata(slot_mapping=torch.zeros(len(ctx), dtype=torch.long), num_decode_tokens=len(ctx),
-                           decode_block_tables=tables, decode_context_lens=ctx)
-    scale = head_dim ** -0.5 * 4
+    md = AttentionMetadata(
+        slot_mapping=torch.zeros(len(ctx), dtype=torch.long),
+        num_decode_tokens=len(ctx),
+        decode_block_tables=tables,
+        decode_context_lens=ctx,
+    )
+    scale = head_dim**-0.5 * 4
     ref = torch_backend.paged_attention(q, None, None, kc, vc, md, scale, window, softcap)
     got = cpu_paged.paged_decode(q, kc, vc, tables, ctx, scale, window, softcap)
     assert (got.float() - ref.float()).abs().max().item() < tol
@@ -72,8 +81,9 @@ def test_engine_picks_the_cpu_kernel_on_cpu(tiny_model_dir):
 
     eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32"))
     assert eng.runner.backend == "cpu"
-    ref = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", attention_backend="torch"),
-                    loaded=eng.loaded)
+    ref = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), dtype="float32", attention_backend="torch"), loaded=eng.loaded
+    )
     assert ref.runner.backend == "torch"
 
 
@@ -145,5 +155,5 @@ def test_fast_linear_bf16_matches_torch(rows, bias):
         got = lin(x)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     # both round an fp32 accumulation to bf16 once: within one bf16 step of the exact result
-    assert ((got.float() - exact).abs() <= exact.abs() * 2 ** -7 + 1e-3).all()
-    assert (got.float() - want).abs().max() <= want.abs().max() * 2 ** -6
+    assert ((got.float() - exact).abs() <= exact.abs() * 2**-7 + 1e-3).all()
+    assert (got.float() - want).abs().max() <= want.abs().max() * 2**-6

@@ -16,8 +16,15 @@ from batchery.engine.llm_engine import LLMEngine
 from batchery.engine.loader import load_model
 from batchery.engine.sampling import SamplingParams
 
-COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2)
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+)
 
 
 def _config(arch: str, vocab: int):
@@ -30,9 +37,16 @@ def _config(arch: str, vocab: int):
     if arch == "mistral":
         return MistralConfig(vocab_size=vocab, sliding_window=None, **COMMON)
     if arch == "gemma2":
-        return Gemma2Config(vocab_size=vocab, head_dim=16, sliding_window=8, attn_logit_softcapping=5.0,
-                            final_logit_softcapping=3.0, query_pre_attn_scalar=16,
-                            layer_types=["sliding_attention", "full_attention"], **COMMON)
+        return Gemma2Config(
+            vocab_size=vocab,
+            head_dim=16,
+            sliding_window=8,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention"],
+            **COMMON,
+        )
     raise ValueError(arch)
 
 
@@ -61,8 +75,7 @@ def test_tiny_model_matches_hf(arch, tmp_path):
     prompts = [[rng.randrange(10, vocab) for _ in range(n)] for n in (3, 11, 17, 30, 5)]
     new = 24  # sequences reach 54 tokens: well past the window of 8 and past several 4-token blocks
     # small blocks and a small token budget also exercise multi-block tables and chunked prefill
-    eng = LLMEngine(EngineConfig(model=path, dtype="float32", block_size=4, max_num_batched_tokens=16),
-                    loaded=loaded)
+    eng = LLMEngine(EngineConfig(model=path, dtype="float32", block_size=4, max_num_batched_tokens=16), loaded=loaded)
     params = SamplingParams(temperature=0, max_tokens=new, min_tokens=new, logprobs=0)
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, params)

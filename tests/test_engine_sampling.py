@@ -87,6 +87,7 @@ def reference(engine, prompts):
 
 # -- seeds and temperature ---------------------------------------------------------------------
 
+
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(engine, prompts, reference):
     p0 = prompts[0]
     sp = sample(seed=1234)
@@ -96,8 +97,9 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(engine, pr
     assert alone != reference[0]  # really sampled
 
     # same seed amid different companions (greedy, unseeded, other seeds, filters)
-    batch = generate(engine, [prompts[1], p0, prompts[2], prompts[3]],
-                     [sample(), sp, greedy(), sample(seed=7, top_p=0.8, top_k=20)])
+    batch = generate(
+        engine, [prompts[1], p0, prompts[2], prompts[3]], [sample(), sp, greedy(), sample(seed=7, top_p=0.8, top_k=20)]
+    )
     assert batch[1].token_ids == alone
 
     # same seed joining while others are already decoding (different step composition)
@@ -133,15 +135,16 @@ def test_temperature_zero_is_greedy_and_batch_independent(engine, prompts, refer
     assert alone == reference[:2]
 
 
-@pytest.mark.parametrize("filt", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)],
-                         ids=["top_k=1", "top_p=tiny", "min_p=1"])
+@pytest.mark.parametrize(
+    "filt", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)], ids=["top_k=1", "top_p=tiny", "min_p=1"]
+)
 def test_filters_that_keep_only_the_argmax_equal_greedy(engine, prompts, reference, filt):
     # high temperature, next to unfiltered sampled companions: only the filter can make it greedy
     params = [SamplingParams(temperature=2.0, max_tokens=N, ignore_eos=True, **filt) for _ in prompts]
     params += [sample() for _ in prompts]
     outs = generate(engine, prompts + prompts, params)
     assert [o.token_ids for o in outs[: len(prompts)]] == reference
-    assert [o.token_ids for o in outs[len(prompts):]] != reference
+    assert [o.token_ids for o in outs[len(prompts) :]] != reference
 
 
 def test_loose_filters_still_sample(engine, prompts, reference):
@@ -151,14 +154,22 @@ def test_loose_filters_still_sample(engine, prompts, reference):
 
 # -- penalties ---------------------------------------------------------------------------------
 
+
 def test_greedy_reference_repeats_itself(reference):
     # the premise of the penalty tests: plain greedy on the tiny model loops
     assert any(len(set(r)) < len(r) for r in reference)
 
 
-@pytest.mark.parametrize("pen", [dict(repetition_penalty=1.3), dict(presence_penalty=1.5),
-                                 dict(frequency_penalty=1.5), dict(presence_penalty=-2.0)],
-                         ids=["repetition", "presence", "frequency", "negative-presence"])
+@pytest.mark.parametrize(
+    "pen",
+    [
+        dict(repetition_penalty=1.3),
+        dict(presence_penalty=1.5),
+        dict(frequency_penalty=1.5),
+        dict(presence_penalty=-2.0),
+    ],
+    ids=["repetition", "presence", "frequency", "negative-presence"],
+)
 def test_penalties_change_greedy_output(engine, prompts, reference, pen):
     outs = generate(engine, prompts, greedy(**pen))
     changed = [o.token_ids != r for o, r in zip(outs, reference)]
@@ -186,6 +197,7 @@ def test_penalties_of_one_request_do_not_leak_into_its_batch(engine, prompts, re
 
 
 # -- stopping ----------------------------------------------------------------------------------
+
 
 def _decode(engine, ids):
     return engine.tokenizer.decode(ids, skip_special_tokens=True)
@@ -287,8 +299,12 @@ def test_eos_finishes_with_stop_unless_ignored(eos_engine, prompts, reference):
 
 # -- logprobs ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("params", [greedy(logprobs=5), sample(logprobs=5, seed=3), sample(logprobs=MAX_LOGPROBS)],
-                         ids=["greedy", "seeded", "max"])
+
+@pytest.mark.parametrize(
+    "params",
+    [greedy(logprobs=5), sample(logprobs=5, seed=3), sample(logprobs=MAX_LOGPROBS)],
+    ids=["greedy", "seeded", "max"],
+)
 def test_logprobs_entries(engine, prompts, params):
     n = params.logprobs
     out = generate(engine, [prompts[1]], params)[0]
@@ -327,6 +343,7 @@ def test_logprobs_are_the_models_distribution_not_the_filtered_one(engine, promp
 
 # -- abort and blocks --------------------------------------------------------------------------
 
+
 def test_abort_frees_blocks_and_never_reports_the_request(engine, prompts):
     rids = [f"r{next(_rid)}" for _ in range(3)]
     for rid, p in zip(rids, prompts[1:]):
@@ -339,8 +356,9 @@ def test_abort_frees_blocks_and_never_reports_the_request(engine, prompts):
     assert st["num_running"] == 3 and st["kv_blocks_free"] < st["kv_blocks_total"]
     used_by = {r: set(engine.requests[r].block_table) for r in rids}
     assert engine.abort(rids[1]) is True
-    assert engine.stats()["kv_blocks_free"] == st["kv_blocks_free"] + len(used_by[rids[1]] - used_by[rids[0]]
-                                                                          - used_by[rids[2]])
+    assert engine.stats()["kv_blocks_free"] == st["kv_blocks_free"] + len(
+        used_by[rids[1]] - used_by[rids[0]] - used_by[rids[2]]
+    )
     assert engine.stats()["num_running"] == 2
     assert engine.abort(rids[1]) is False  # already gone
     assert engine.abort("never-added") is False
@@ -370,8 +388,12 @@ def test_abort_a_waiting_request(engine, prompts):
 
 
 def test_abort_mid_chunked_prefill_frees_blocks(tiny_model_dir, loaded, prompts):
-    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, block_size=4,
-                                 max_num_batched_tokens=4), loaded=loaded)
+    eng = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, block_size=4, max_num_batched_tokens=4
+        ),
+        loaded=loaded,
+    )
     long_prompt = prompts[2] + prompts[3] + prompts[1]
     eng.add_request("long", long_prompt, greedy())
     eng.add_request("short", prompts[0], greedy(max_tokens=3))
@@ -384,12 +406,16 @@ def test_abort_mid_chunked_prefill_frees_blocks(tiny_model_dir, loaded, prompts)
 
 
 def test_all_blocks_return_after_many_requests(engine, prompts):
-    system = {"role": "system", "content": "you are a good model . write a long answer to each question "
-                                           "about the city , the sea and the sky please"}
+    system = {
+        "role": "system",
+        "content": "you are a good model . write a long answer to each question "
+        "about the city , the sea and the sky please",
+    }
     chats = [engine.encode_chat([system, {"role": "user", "content": t}]) for t in TEXTS * 3]
     assert all(len(c) > 2 * engine.config.block_size for c in chats)
-    params = [greedy(max_tokens=3 + i % 5) if i % 2 else sample(max_tokens=2 + i % 7, seed=i)
-              for i in range(len(chats))]
+    params = [
+        greedy(max_tokens=3 + i % 5) if i % 2 else sample(max_tokens=2 + i % 7, seed=i) for i in range(len(chats))
+    ]
     generate(engine, chats[:1], params[:1])  # warms the prefix cache with the system prompt
     outs = generate(engine, chats, params)  # generate() asserts the pool is full again
     assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
@@ -398,39 +424,72 @@ def test_all_blocks_return_after_many_requests(engine, prompts):
 
 # -- validation --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("field,value", [
-    ("temperature", -1), ("temperature", 101.0), ("temperature", float("nan")),
-    ("top_p", 0), ("top_p", 1.5), ("top_p", -0.5),
-    ("top_k", -2), ("top_k", 1.5),
-    ("min_p", -0.1), ("min_p", 1.1),
-    ("repetition_penalty", 0), ("repetition_penalty", 11),
-    ("presence_penalty", 2.5), ("frequency_penalty", -2.5),
-    ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 1.5), ("max_tokens", True), ("max_tokens", None),
-    ("logprobs", 100), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", -1),
-    ("seed", "abc"), ("seed", 1.0),
-    ("stop", [""]), ("stop", ["x"] * 17), ("stop", [3]),
-    ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]),
-    ("min_tokens", -1), ("min_tokens", None),
-])
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -1),
+        ("temperature", 101.0),
+        ("temperature", float("nan")),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("top_p", -0.5),
+        ("top_k", -2),
+        ("top_k", 1.5),
+        ("min_p", -0.1),
+        ("min_p", 1.1),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", 11),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -2.5),
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("max_tokens", 1.5),
+        ("max_tokens", True),
+        ("max_tokens", None),
+        ("logprobs", 100),
+        ("logprobs", MAX_LOGPROBS + 1),
+        ("logprobs", -1),
+        ("seed", "abc"),
+        ("seed", 1.0),
+        ("stop", [""]),
+        ("stop", ["x"] * 17),
+        ("stop", [3]),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", ["a"]),
+        ("min_tokens", -1),
+        ("min_tokens", None),
+    ],
+)
 def test_invalid_sampling_params_raise_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=rf"\b{field}\b"):
         SamplingParams(**{field: value})
 
 
-@pytest.mark.parametrize("field,value", [("temperature", "0.5"), ("top_p", None), ("min_p", "x"),
-                                         ("stop", 5), ("stop_token_ids", 5)])
+@pytest.mark.parametrize(
+    "field,value", [("temperature", "0.5"), ("top_p", None), ("min_p", "x"), ("stop", 5), ("stop_token_ids", 5)]
+)
 def test_wrongly_typed_sampling_params_raise_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=rf"\b{field}\b"):
         SamplingParams(**{field: value})
 
 
 def test_valid_edge_values_are_normalised():
-    p = SamplingParams(top_k=-1, stop="x", stop_token_ids=None, temperature=0, top_p=1.0, min_p=1.0,
-                       logprobs=MAX_LOGPROBS, max_tokens=1)
+    p = SamplingParams(
+        top_k=-1,
+        stop="x",
+        stop_token_ids=None,
+        temperature=0,
+        top_p=1.0,
+        min_p=1.0,
+        logprobs=MAX_LOGPROBS,
+        max_tokens=1,
+    )
     assert p.top_k == 0 and p.stop == ["x"] and p.stop_token_ids == [] and p.greedy
 
 
 # -- rejected prompts --------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def short_engine(tiny_model_dir, loaded):
@@ -499,6 +558,7 @@ def test_llm_generate_fails_only_the_too_long_prompt(tiny_model_dir):
 
 
 # -- prefix cache correctness ------------------------------------------------------------------
+
 
 def test_prefix_cache_never_serves_kv_of_another_prefix(tiny_model_dir, loaded, engine):
     cfg = dict(model=str(tiny_model_dir), dtype="float32", block_size=4, num_kv_blocks=64)

@@ -13,7 +13,6 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import REPO, TEST_BROKER_URL, TEST_RESULT_BACKEND
 
 pytestmark = pytest.mark.integration
@@ -26,8 +25,12 @@ def light_python(tmp_path_factory) -> str:
     venv = tmp_path_factory.mktemp("light-install") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     py = str(venv / "bin" / "python")
-    r = subprocess.run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", str(REPO)],
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [py, "-m", "pip", "install", "-q", "--disable-pip-version-check", str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return py
 
@@ -39,8 +42,7 @@ def light_env(**extra: str) -> dict[str, str]:
 
 
 def run(py: str, *args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([py, *args], capture_output=True, text=True, timeout=timeout, cwd="/",
-                          env=env or light_env())
+    return subprocess.run([py, *args], capture_output=True, text=True, timeout=timeout, cwd="/", env=env or light_env())
 
 
 def test_light_install_has_no_heavy_packages(light_python):
@@ -80,11 +82,25 @@ def test_light_client_runs_chat_and_batch_against_a_full_worker(light_python, ti
 
 def test_light_batch_cli_submits_and_waits(light_python, tiny_worker, tmp_path):
     src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
-                                       "body": {"prompt": "once upon a time", "max_tokens": 2}}) + "\n"
-                           for i in range(3)))
-    env = light_env(BATCHERY_BROKER_URL=TEST_BROKER_URL, BATCHERY_RESULT_BACKEND=TEST_RESULT_BACKEND,
-                    BATCHERY_QUEUE=tiny_worker.queue)
+    src.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "custom_id": f"c{i}",
+                    "method": "POST",
+                    "url": "/v1/completions",
+                    "body": {"prompt": "once upon a time", "max_tokens": 2},
+                }
+            )
+            + "\n"
+            for i in range(3)
+        )
+    )
+    env = light_env(
+        BATCHERY_BROKER_URL=TEST_BROKER_URL,
+        BATCHERY_RESULT_BACKEND=TEST_RESULT_BACKEND,
+        BATCHERY_QUEUE=tiny_worker.queue,
+    )
     batchery = os.path.join(os.path.dirname(light_python), "batchery")
     sub = run(batchery, "batch", "submit", str(src), env=env)
     assert sub.returncode == 0, sub.stdout + sub.stderr

@@ -78,8 +78,11 @@ def test_text_lines_keep_the_prefix_and_append_the_context(capture):
     out = capture("text")
     run_task("batchery.chat_completion", body={})
     first, *rest = out.getvalue().splitlines()
-    m = re.match(r"(\S+ \S+) INFO \[[^\]]+\] batchery.test: connecting to redis://:\*\*\*@10.0.0.5:6379/0"
-                 r" \| task_id=tid-123 task_name=batchery.chat_completion$", first)
+    m = re.match(
+        r"(\S+ \S+) INFO \[[^\]]+\] batchery.test: connecting to redis://:\*\*\*@10.0.0.5:6379/0"
+        r" \| task_id=tid-123 task_name=batchery.chat_completion$",
+        first,
+    )
     assert m, first
     assert "job_id" not in first  # a chat request has no job
     assert SECRET not in out.getvalue() and "Traceback" in out.getvalue()
@@ -98,14 +101,17 @@ def test_no_context_outside_a_task_unless_bound(capture):
     assert c["task_id"] == "t-9"
 
 
-@pytest.mark.parametrize("text, masked", [
-    ("redis://:pw@h:6379/0", "redis://:***@h:6379/0"),
-    ("rediss://user:p@ss@h:6380/0?ssl_cert_reqs=required", "rediss://user:***@h:6380/0?ssl_cert_reqs=required"),
-    ("amqp://guest:guest@rabbit//", "amqp://guest:***@rabbit//"),
-    ("url ?password=abc&x=1 and requirepass hunter2", "url ?password=***&x=1 and requirepass ***"),
-    ("redis://127.0.0.1:6379/0 has no password", "redis://127.0.0.1:6379/0 has no password"),
-    ("Redis refused the password in BATCHERY_BROKER_URL", "Redis refused the password in BATCHERY_BROKER_URL"),
-])
+@pytest.mark.parametrize(
+    "text, masked",
+    [
+        ("redis://:pw@h:6379/0", "redis://:***@h:6379/0"),
+        ("rediss://user:p@ss@h:6380/0?ssl_cert_reqs=required", "rediss://user:***@h:6380/0?ssl_cert_reqs=required"),
+        ("amqp://guest:guest@rabbit//", "amqp://guest:***@rabbit//"),
+        ("url ?password=abc&x=1 and requirepass hunter2", "url ?password=***&x=1 and requirepass ***"),
+        ("redis://127.0.0.1:6379/0 has no password", "redis://127.0.0.1:6379/0 has no password"),
+        ("Redis refused the password in BATCHERY_BROKER_URL", "Redis refused the password in BATCHERY_BROKER_URL"),
+    ],
+)
 def test_mask_secrets(text, masked):
     assert mask_secrets(text) == masked
 
@@ -131,8 +137,12 @@ def test_configure_logging_replaces_only_its_own_handler():
 def test_worker_log_lines_about_requests_carry_their_ids(tiny_worker, tiny_client):
     h = tiny_client.chat([{"role": "user", "content": "hello"}], max_tokens=2)
     h.get(timeout=60)
-    line = {"custom_id": "log-check 1", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
+    line = {
+        "custom_id": "log-check 1",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    }
     job = tiny_client.submit_batch([line])
     try:
         tiny_client.wait_batch(job, timeout=60)

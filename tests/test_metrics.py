@@ -15,9 +15,9 @@ import urllib.request
 import uuid
 
 import pytest
+from conftest import TEST_BROKER_URL, redis_client, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import TEST_BROKER_URL, redis_client, wait_for
 from batchery.contract.errors import ContextLengthExceeded, DeadlineExceeded, EngineCrash, EngineFailure, InvalidRequest
 from batchery.contract.names import BATCH_LINE_TASK, CHAT_TASK, COMPLETION_TASK
 from batchery.contract.outcomes import LineOutcome, Outcome
@@ -33,8 +33,9 @@ class Scrape:
         self.text = text
         self.content_type = content_type
         self.families = {f.name: f for f in text_string_to_metric_families(text)}
-        self.samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                        for f in self.families.values() for s in f.samples}
+        self.samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value for f in self.families.values() for s in f.samples
+        }
 
     def __getitem__(self, key) -> float:
         name, labels = key if isinstance(key, tuple) else (key, {})
@@ -62,17 +63,34 @@ def test_counters_move_by_what_the_requests_did(tiny_worker, tiny_client):
     before = scrape(tiny_worker)
     # one first, so the shared system prompt's blocks are cached before the others arrive
     first = tiny_client.chat(chat("hello world"), max_tokens=6, temperature=0, ignore_eos=True).get(timeout=60)
-    rest = [h.get(timeout=60) for h in tiny_client.chat_many(
-        [chat("the cat"), chat("the dog and the sea"), chat("write a story")], max_tokens=8, temperature=0)]
-    comp = tiny_client.complete("once upon a time", max_tokens=5, ignore_eos=True).get(timeout=60)
+    rest = [
+        h.get(timeout=60)
+        for h in tiny_client.chat_many(
+            [chat("the cat"), chat("the dog and the sea"), chat("write a story")], max_tokens=8, temperature=0
+        )
+    ]
+    tiny_client.complete("once upon a time", max_tokens=5, ignore_eos=True).get(timeout=60)
     # an invalid body only a worker sees (the client validates before sending): no enqueue stamp
     bad = tiny_client.app.send_task(CHAT_TASK, kwargs={"body": {"messages": "not a list"}}, queue=tiny_client.queue)
     with pytest.raises(InvalidRequest):
         bad.get(timeout=60)
-    lines = [{"custom_id": f"m-{i}", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"messages": chat(f"hi {i}"), "max_tokens": 3, "temperature": 0}} for i in range(3)]
-    lines.append({"custom_id": "too-long", "method": "POST", "url": "/v1/completions",
-                  "body": {"prompt": "hello " * 9000, "max_tokens": 2}})
+    lines = [
+        {
+            "custom_id": f"m-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": chat(f"hi {i}"), "max_tokens": 3, "temperature": 0},
+        }
+        for i in range(3)
+    ]
+    lines.append(
+        {
+            "custom_id": "too-long",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": "hello " * 9000, "max_tokens": 2},
+        }
+    )
     job = tiny_client.submit_batch(lines)
     try:
         st = tiny_client.wait_batch(job, timeout=60)
@@ -89,18 +107,20 @@ def test_counters_move_by_what_the_requests_did(tiny_worker, tiny_client):
     assert delta(after, before, "batchery_requests_total", task=CHAT_TASK, outcome="invalid_request") == 1
     assert delta(after, before, "batchery_requests_total", task=COMPLETION_TASK, outcome="success") == 1
     assert delta(after, before, "batchery_requests_total", task=BATCH_LINE_TASK, outcome="success") == 3
-    assert delta(after, before, "batchery_requests_total", task=BATCH_LINE_TASK,
-                 outcome="context_length_exceeded") == 1
+    assert delta(after, before, "batchery_requests_total", task=BATCH_LINE_TASK, outcome="context_length_exceeded") == 1
     assert delta(after, before, "batchery_request_duration_seconds_count", task=CHAT_TASK) == 5
     # tokens: exactly the responses' usage
     assert delta(after, before, "batchery_prompt_tokens_total", task=CHAT_TASK) == sum(
-        r.usage.prompt_tokens for r in chats)
+        r.usage.prompt_tokens for r in chats
+    )
     assert delta(after, before, "batchery_generation_tokens_total", task=CHAT_TASK) == sum(
-        r.usage.completion_tokens for r in chats)
+        r.usage.completion_tokens for r in chats
+    )
     assert delta(after, before, "batchery_generation_tokens_total", task=COMPLETION_TASK) == 5
     ok_lines = [r for r in records if r["error"] is None]
     assert delta(after, before, "batchery_prompt_tokens_total", task=BATCH_LINE_TASK) == sum(
-        r["response"]["body"]["usage"]["prompt_tokens"] for r in ok_lines)
+        r["response"]["body"]["usage"]["prompt_tokens"] for r in ok_lines
+    )
     # queue wait: every request the client or the batch publisher stamped, not the raw send_task
     assert delta(after, before, "batchery_queue_wait_seconds_count", task=CHAT_TASK) == 4
     assert delta(after, before, "batchery_queue_wait_seconds_count", task=COMPLETION_TASK) == 1
@@ -114,8 +134,10 @@ def test_counters_move_by_what_the_requests_did(tiny_worker, tiny_client):
         assert after[f"{h}_bucket", {"le": "+Inf"}] == after[f"{h}_count"], h
     assert delta(after, before, "batchery_engine_step_seconds_sum") > 0
     # every generated token came out of one sequence in one step; every scheduled sequence had a token
-    generated = sum(delta(after, before, "batchery_generation_tokens_total", task=t)
-                    for t in (CHAT_TASK, COMPLETION_TASK, BATCH_LINE_TASK))
+    generated = sum(
+        delta(after, before, "batchery_generation_tokens_total", task=t)
+        for t in (CHAT_TASK, COMPLETION_TASK, BATCH_LINE_TASK)
+    )
     seqs = delta(after, before, "batchery_engine_batch_size_sum")
     assert seqs >= generated
     assert delta(after, before, "batchery_engine_step_tokens_sum") >= seqs
@@ -124,7 +146,8 @@ def test_counters_move_by_what_the_requests_did(tiny_worker, tiny_client):
     assert hits >= 3 * 16  # three later chats reused at least a full block each
     assert delta(after, before, "batchery_prefix_cache_query_tokens_total") >= hits
     assert after["batchery_prefix_cache_hit_rate"] == pytest.approx(
-        after["batchery_prefix_cache_hit_tokens_total"] / after["batchery_prefix_cache_query_tokens_total"])
+        after["batchery_prefix_cache_hit_tokens_total"] / after["batchery_prefix_cache_query_tokens_total"]
+    )
     # state gauges
     assert after["batchery_kv_blocks_used"] + after["batchery_kv_blocks_free"] == 2048
     assert after["batchery_kv_blocks_used"] == 0  # nothing running: every block is free (some cached)
@@ -147,22 +170,34 @@ def test_exposition_is_prometheus_text_with_every_documented_family(tiny_worker)
             continue  # a histogram
         assert name in exposed, f"{name} is not exposed"
     assert not [n for n in exposed if n.endswith("_created")]  # no noise series
-    assert "# HELP batchery_engine_step_seconds " in s.text and "# TYPE batchery_engine_step_seconds histogram" in s.text
+    assert (
+        "# HELP batchery_engine_step_seconds " in s.text and "# TYPE batchery_engine_step_seconds histogram" in s.text
+    )
 
 
 # -- 2. failures, retries and preemption on a dedicated worker ------------------------------------------
 def test_engine_failure_and_a_small_kv_pool_move_restart_retry_and_preemption_counters(workers):
     # 16 blocks of 16 tokens: eight 60-token sequences cannot all fit, so the scheduler preempts;
     # the third step raises once, so the engine is rebuilt and its requests are retried
-    w = workers.spawn(BATCHERY_FAULTS="step_raise:3", BATCHERY_ENGINE__NUM_KV_BLOCKS="16",
-                      BATCHERY_ENGINE__MAX_MODEL_LEN="128", BATCHERY_BATCH_WAIT="0.2")
+    w = workers.spawn(
+        BATCHERY_FAULTS="step_raise:3",
+        BATCHERY_ENGINE__NUM_KV_BLOCKS="16",
+        BATCHERY_ENGINE__MAX_MODEL_LEN="128",
+        BATCHERY_BATCH_WAIT="0.2",
+    )
     before = scrape(w)
     assert before["batchery_engine_restarts_total"] == before["batchery_engine_failures_total"] == 0
     c = workers.client(w.queue)
     try:
-        hs = c.chat_many([[{"role": "user", "content": f"write a long story about the {x}"}]
-                          for x in ("cat", "dog", "sea", "sky", "city", "river", "tree", "rain")],
-                         max_tokens=48, ignore_eos=True, temperature=0)
+        hs = c.chat_many(
+            [
+                [{"role": "user", "content": f"write a long story about the {x}"}]
+                for x in ("cat", "dog", "sea", "sky", "city", "river", "tree", "rain")
+            ],
+            max_tokens=48,
+            ignore_eos=True,
+            temperature=0,
+        )
         results = [h.get(timeout=120) for h in hs]
     finally:
         c.close()
@@ -209,8 +244,13 @@ def test_queue_depth_sums_the_priority_lists_and_is_cached(redis_urls):
 
 def test_step_stats_keep_counting_across_engine_rebuilds():
     s = StepStats()
-    stats = {"last_step_num_seqs": 3, "last_step_num_tokens": 40, "num_preemptions": 2,
-             "prefix_cache_hit_tokens": 16, "prefix_cache_query_tokens": 50}
+    stats = {
+        "last_step_num_seqs": 3,
+        "last_step_num_tokens": 40,
+        "num_preemptions": 2,
+        "prefix_cache_hit_tokens": 16,
+        "prefix_cache_query_tokens": 50,
+    }
     s.observe(0, 0.003, stats)
     s.observe(0, 0.2, {**stats, "num_preemptions": 5, "prefix_cache_hit_tokens": 32, "prefix_cache_query_tokens": 60})
     # a rebuilt engine (generation 1) starts its own counters from zero
@@ -229,30 +269,33 @@ def test_fixed_histogram_bounds_are_inclusive():
     assert h.cumulative()[0] == [("1.0", 2), ("2.0", 4), ("+Inf", 5)]
 
 
-@pytest.mark.parametrize("state, retval, outcome", [
-    ("SUCCESS", {"id": "x"}, "success"),
-    ("SUCCESS", LineOutcome(Outcome.SUCCESS, "job in_progress"), "success"),
-    ("SUCCESS", LineOutcome(Outcome.SKIPPED, "done"), "skipped"),
-    ("SUCCESS", LineOutcome(Outcome.CANCELLED), "cancelled"),
-    ("SUCCESS", LineOutcome(Outcome.DEADLINE_EXCEEDED, "job in_progress"), "deadline_exceeded"),  # an error record
-    ("RETRY", None, "retry"),
-    ("REJECTED", None, "requeued"),
-    ("FAILURE", InvalidRequest("x"), "invalid_request"),
-    ("FAILURE", DeadlineExceeded("x"), "deadline_exceeded"),
-    ("FAILURE", EngineFailure("x"), "engine_error"),
-    ("FAILURE", ContextLengthExceeded("x"), "context_length_exceeded"),
-    ("FAILURE", EngineCrash("x"), "engine_crash"),  # quarantine's verdict
-    ("FAILURE", KeyError("x"), "internal_error"),
-])
+@pytest.mark.parametrize(
+    "state, retval, outcome",
+    [
+        ("SUCCESS", {"id": "x"}, "success"),
+        ("SUCCESS", LineOutcome(Outcome.SUCCESS, "job in_progress"), "success"),
+        ("SUCCESS", LineOutcome(Outcome.SKIPPED, "done"), "skipped"),
+        ("SUCCESS", LineOutcome(Outcome.CANCELLED), "cancelled"),
+        ("SUCCESS", LineOutcome(Outcome.DEADLINE_EXCEEDED, "job in_progress"), "deadline_exceeded"),  # an error record
+        ("RETRY", None, "retry"),
+        ("REJECTED", None, "requeued"),
+        ("FAILURE", InvalidRequest("x"), "invalid_request"),
+        ("FAILURE", DeadlineExceeded("x"), "deadline_exceeded"),
+        ("FAILURE", EngineFailure("x"), "engine_error"),
+        ("FAILURE", ContextLengthExceeded("x"), "context_length_exceeded"),
+        ("FAILURE", EngineCrash("x"), "engine_crash"),  # quarantine's verdict
+        ("FAILURE", KeyError("x"), "internal_error"),
+    ],
+)
 def test_outcome_labels(state, retval, outcome):
     assert outcome_of(state, retval) == outcome
 
 
 def test_quarantine_counter_is_exposed():
+    from batchery.contract.settings import Settings
     from batchery.tasks import quarantine
     from batchery.worker import metrics
     from batchery.worker.service import EngineService
-    from batchery.contract.settings import Settings
 
     m = metrics.WorkerMetrics(EngineService(None), Settings(broker_url="memory://"), task_names=[CHAT_TASK])
     before = Scrape(m.render())["batchery_quarantined_requests_total"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from batchery.worker.metrics import ENQUEUED_AT_HEADER, METRICS
 from batchery.contract.settings import env_table, env_variables
+from batchery.worker.metrics import ENQUEUED_AT_HEADER, METRICS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
 COMPOSE_ONLY = {"BATCHERY_MODEL_CACHE", "BATCHERY_IMAGE_TAG", "BATCHERY_STOP_GRACE_PERIOD"}
@@ -18,7 +18,8 @@ def test_configuration_table_is_generated_from_settings():
     assert m, "docs/operations.md lost its settings-table markers"
     assert m.group(1) == env_table(), (
         "the configuration table in docs/operations.md is out of date: paste the output of "
-        "`python -m batchery.contract.settings --table` between its markers")
+        "`python -m batchery.contract.settings --table` between its markers"
+    )
 
 
 def test_every_variable_named_in_the_doc_exists():

@@ -12,21 +12,27 @@ import threading
 
 import pytest
 import torch
-
 from conftest import wait_for
+
+from batchery.contract.errors import EngineCrash, EngineFailure, InvalidRequest
 from batchery.engine.config import EngineConfig
 from batchery.engine.llm_engine import OOM_MIN_TOKENS, LLMEngine
 from batchery.engine.sampling import SamplingParams
 from batchery.worker.service import EngineService, GenerationRequest
-from batchery.contract.errors import EngineCrash, EngineFailure, InvalidRequest
 from batchery.worker.service.faults import OutOfMemory, Poison, StepRaiseEvery, parse_faults
 
 POISON = "XYZZY"
 
 
 def config(tiny_model_dir, **kw) -> EngineConfig:
-    base = dict(model=str(tiny_model_dir), dtype="float32", max_num_seqs=64, num_kv_blocks=1024, max_model_len=2048,
-                max_num_batched_tokens=1024)
+    base = dict(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        max_num_seqs=64,
+        num_kv_blocks=1024,
+        max_model_len=2048,
+        max_num_batched_tokens=1024,
+    )
     return EngineConfig(**{**base, **kw})
 
 
@@ -35,8 +41,9 @@ def make_service(tiny_model_dir):
     services = []
 
     def make(faults: str = "", *, cfg: dict | None = None, **kwargs) -> EngineService:
-        s = EngineService(config(tiny_model_dir, **(cfg or {})), faults=parse_faults(faults), rebuild_backoff=0.05,
-                          **kwargs)
+        s = EngineService(
+            config(tiny_model_dir, **(cfg or {})), faults=parse_faults(faults), rebuild_backoff=0.05, **kwargs
+        )
         s.start()
         services.append(s)
         return s
@@ -47,8 +54,11 @@ def make_service(tiny_model_dir):
 
 
 def chat(text: str, *, solo: bool = False, **sampling) -> GenerationRequest:
-    return GenerationRequest(messages=[{"role": "user", "content": text}], solo=solo,
-                             sampling={"max_tokens": 8, "temperature": 0.0, "ignore_eos": True, **sampling})
+    return GenerationRequest(
+        messages=[{"role": "user", "content": text}],
+        solo=solo,
+        sampling={"max_tokens": 8, "temperature": 0.0, "ignore_eos": True, **sampling},
+    )
 
 
 def outcomes(futures, timeout: float = 60.0) -> list:
@@ -67,8 +77,13 @@ def test_new_fault_kinds_parse_and_refuse_bad_specs():
     assert isinstance(poison, Poison) and poison.text == "a b:c"  # free text, colons kept
     assert isinstance(oom, OutOfMemory) and oom.at_step == 3
     assert isinstance(every, StepRaiseEvery) and every.every == 40
-    for bad, needle in [("poison:", "non-empty TEXT"), ("oom:0", ">= 1"), ("oom:x", "integer"),
-                        ("step_raise_every:", "integer"), ("oom:1:2", "expected oom:N")]:
+    for bad, needle in [
+        ("poison:", "non-empty TEXT"),
+        ("oom:0", ">= 1"),
+        ("oom:x", "integer"),
+        ("step_raise_every:", "integer"),
+        ("oom:1:2", "expected oom:N"),
+    ]:
         with pytest.raises(ValueError, match=needle):
             parse_faults(bad)
 
@@ -145,8 +160,10 @@ def test_only_requests_in_the_failing_step_fail_the_rest_carry_over(make_service
     assert len(failed) == 4 and all(isinstance(e, EngineFailure) and e.struck for e in failed)
     assert all(len(r.token_ids) == 16 for r in results if not isinstance(r, Exception))
     assert s.num_struck == 4 and s.num_carried_over == 8
-    assert any("failing 4 in-flight requests" in r.getMessage() and "carrying 8 others over" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "failing 4 in-flight requests" in r.getMessage() and "carrying 8 others over" in r.getMessage()
+        for r in caplog.records
+    )
     assert any("passed its canary step" in r.getMessage() for r in caplog.records)
 
 
@@ -213,8 +230,9 @@ def test_schema_caps_prompt_and_max_tokens():
     from batchery.contract.schemas import MAX_TEXT_CHARS, MAX_TOKENS_LIMIT, ChatCompletionRequest, CompletionRequest
 
     with pytest.raises(ValueError, match="max_tokens"):
-        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
-                                              "max_tokens": MAX_TOKENS_LIMIT + 1})
+        ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": MAX_TOKENS_LIMIT + 1}
+        )
     with pytest.raises(ValueError):
         CompletionRequest.model_validate({"prompt": "x" * (MAX_TEXT_CHARS + 1)})
     with pytest.raises(ValueError):
@@ -230,16 +248,30 @@ def test_lines_whose_messages_were_lost_are_found_and_queued_again(redis_urls):
     import uuid
 
     from conftest import TEST_BROKER_URL, TEST_RESULT_BACKEND, drop_queue_keys, redis_client
+
     from batchery.client import Client
-    from batchery.jobs.recover import find_lost
     from batchery.contract.settings import Settings
+    from batchery.jobs.recover import find_lost
 
     queue = f"batchery-test-{uuid.uuid4().hex[:10]}"
-    c = Client(settings=Settings(broker_url=TEST_BROKER_URL, result_backend=TEST_RESULT_BACKEND, queue=queue,
-                                 batch={"key_prefix": f"{queue}:batch", "ttl": 600}))
+    c = Client(
+        settings=Settings(
+            broker_url=TEST_BROKER_URL,
+            result_backend=TEST_RESULT_BACKEND,
+            queue=queue,
+            batch={"key_prefix": f"{queue}:batch", "ttl": 600},
+        )
+    )
     broker = redis_client(TEST_BROKER_URL)
-    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}} for i in range(1, 4)]
+    lines = [
+        {
+            "custom_id": f"c{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        }
+        for i in range(1, 4)
+    ]
     tag = None
     try:
         job = c.submit_batch(lines)
@@ -277,8 +309,8 @@ def test_an_engine_that_fails_all_real_work_is_given_up_not_blamed_on_requests(m
     After a few such verdicts with no successful step in between, the service gives up (the
     worker exits non-zero and the rest of the work goes back to the queue) instead of calling
     every request poison."""
-    from batchery.worker.service.triage import POISON_BREAKER
     from batchery.contract.errors import EngineUnavailable
+    from batchery.worker.service.triage import POISON_BREAKER
 
     reasons = []
     s = make_service("step_raise_every:1", on_fatal=reasons.append)

@@ -22,7 +22,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, wait_for
 from test_batch_worker import check_mixed_records, mixed_job_lines
 
@@ -110,13 +109,25 @@ def run_env(**extra) -> tuple[dict[str, str], str]:
 def start_run(args: list[str], env: dict[str, str], stderr_path: Path) -> subprocess.Popen:
     with open(stderr_path, "wb") as err:
         # its own process group, like a shell job: a terminal's Ctrl-C signals the whole group
-        return subprocess.Popen([sys.executable, "-m", "batchery", "run", *args], cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "batchery", "run", *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            start_new_session=True,
+        )
 
 
 def tiny_env(tiny_model_dir, **extra):
-    return run_env(BATCHERY_MODEL=tiny_model_dir, BATCHERY_DTYPE="float32", BATCHERY_MAX_NUM_SEQS=16,
-                   BATCHERY_ENGINE__NUM_KV_BLOCKS=1024, BATCHERY_ENGINE__MAX_MODEL_LEN=4096, **extra)
+    return run_env(
+        BATCHERY_MODEL=tiny_model_dir,
+        BATCHERY_DTYPE="float32",
+        BATCHERY_MAX_NUM_SEQS=16,
+        BATCHERY_ENGINE__NUM_KV_BLOCKS=1024,
+        BATCHERY_ENGINE__MAX_MODEL_LEN=4096,
+        **extra,
+    )
 
 
 # -- with a broker: submit to the cluster ---------------------------------------------------------------
@@ -126,8 +137,14 @@ def test_run_against_a_cluster_writes_results_and_exits_0(session_workers, tiny_
     src.write_text("\n".join(lines) + "\n")
     env = session_workers.env(tiny_worker.queue, BATCHERY_BATCH__MAX_LINE_BYTES=65536)
     out, err = tmp_path / "out" / "results.jsonl", tmp_path / "errors.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "batchery", "run", str(src), "-o", str(out), "--errors", str(err),
-                           "--json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchery", "run", str(src), "-o", str(out), "--errors", str(err), "--json"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["status"] == "completed"
@@ -135,8 +152,9 @@ def test_run_against_a_cluster_writes_results_and_exits_0(session_workers, tiny_
     assert summary["completion_tokens"] > 0 and summary["wall_s"] > 0
     assert re.search(rf"completed batch_\w+: {len(valid)} lines ok, {len(errors)} failed", proc.stderr)
     assert "embedded" not in proc.stderr
-    records = [json.loads(x) for x in out.read_text().splitlines()] + \
-        [json.loads(x) for x in err.read_text().splitlines()]
+    records = [json.loads(x) for x in out.read_text().splitlines()] + [
+        json.loads(x) for x in err.read_text().splitlines()
+    ]
     check_mixed_records(records, errors, valid, summary["job"])
     session_workers.client(tiny_worker.queue).jobs.delete(summary["job"])
 
@@ -150,14 +168,18 @@ def test_run_embedded_on_the_example_with_the_default_model(tmp_path):
     tree = Tree(popen.pid)
     try:
         wait_for(lambda: finished(popen, tree), 600, interval=0.2, what="batchery run to finish")
-        proc = subprocess.CompletedProcess(popen.args, popen.returncode, popen.stdout.read().decode(),
-                                           (tmp_path / "stderr.txt").read_text())
+        proc = subprocess.CompletedProcess(
+            popen.args, popen.returncode, popen.stdout.read().decode(), (tmp_path / "stderr.txt").read_text()
+        )
         assert tree.seen, "the run started no processes?"
         assert proc.returncode == 0, proc.stderr
         assert "embedded Redis and a worker for smollm2-135m-instruct" in proc.stderr
         assert re.search(r"completed batch_\w+: 19 lines ok, 1 failed", proc.stderr), proc.stderr
-        assert re.search(r"tokens: \d+ prompt \+ \d+ completion; wall [\d.]+ s, generating [\d.]+ s: [\d.]+ "
-                         r"completion tokens/s", proc.stderr)
+        assert re.search(
+            r"tokens: \d+ prompt \+ \d+ completion; wall [\d.]+ s, generating [\d.]+ s: [\d.]+ "
+            r"completion tokens/s",
+            proc.stderr,
+        )
         oks = [json.loads(x) for x in out.read_text().splitlines()]
         assert [r["custom_id"] for r in oks] == [f"request-{i}" for i in range(1, 19)] + ["request-completion"]
         for r in oks:
@@ -177,9 +199,19 @@ def test_run_embedded_on_the_example_with_the_default_model(tmp_path):
 
 # -- Ctrl-C and SIGKILL --------------------------------------------------------------------------------------
 def long_job(path: Path, n: int = 40) -> None:
-    rows = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
-             "body": {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2 if i < 4 else 3000,
-                      "ignore_eos": True}} for i in range(n)]
+    rows = [
+        {
+            "custom_id": f"q{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 2 if i < 4 else 3000,
+                "ignore_eos": True,
+            },
+        }
+        for i in range(n)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 

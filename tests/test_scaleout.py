@@ -13,11 +13,11 @@ import urllib.request
 import uuid
 
 import pytest
+from conftest import WorkerFactory, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import WorkerFactory, wait_for
-from batchery.contract.names import CHAT_TASK
 from batchery.client import Client
+from batchery.contract.names import CHAT_TASK
 from batchery.contract.settings import Settings, queue_for_model
 
 
@@ -34,9 +34,18 @@ def served(worker) -> float:
 
 def client_for_model(factory: WorkerFactory, model: str) -> Client:
     """A client that picks its queue from the model name, as users do: ``Client(model=...)``."""
-    return Client(settings=Settings(broker_url=factory.broker, result_backend=factory.backend, model=model,
-                                    result_expires=600, max_task_timeout=60, task_timeout=60, retry_backoff_max=2,
-                                    visibility_timeout=300))
+    return Client(
+        settings=Settings(
+            broker_url=factory.broker,
+            result_backend=factory.backend,
+            model=model,
+            result_expires=600,
+            max_task_timeout=60,
+            task_timeout=60,
+            retry_backoff_max=2,
+            visibility_timeout=300,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +82,15 @@ def test_two_workers_on_one_queue_both_take_work(cluster):
     before = served(a1), served(a2)
     with client_for_model(cluster["factory"], cluster["models"]["a"].name) as c:
         assert c.queue == queue_for_model(str(cluster["models"]["a"]))
-        hs = c.chat_many([[{"role": "user", "content": f"write a story about the {w}"}]
-                          for w in "cat dog sea sky city river tree rain snow fire wind book".split()],
-                         max_tokens=24, ignore_eos=True, temperature=0)
+        hs = c.chat_many(
+            [
+                [{"role": "user", "content": f"write a story about the {w}"}]
+                for w in "cat dog sea sky city river tree rain snow fire wind book".split()
+            ],
+            max_tokens=24,
+            ignore_eos=True,
+            temperature=0,
+        )
         results = [h.get(timeout=120) for h in hs]
     assert all(r.usage.completion_tokens == 24 for r in results)
     # a worker counts a success just after storing its result, so the client can see it first
@@ -93,8 +108,7 @@ def test_the_client_routes_by_model_name(cluster):
     # the bare name and the worker's full path name the same queue
     with client_for_model(cluster["factory"], model_b.name) as c:
         assert c.queue == queue_for_model(str(model_b)) != queue_for_model(str(cluster["models"]["a"]))
-        results = [h.get(timeout=60) for h in c.chat_many([[{"role": "user", "content": "hello"}]] * 4,
-                                                           max_tokens=3)]
+        results = [h.get(timeout=60) for h in c.chat_many([[{"role": "user", "content": "hello"}]] * 4, max_tokens=3)]
     assert {r.model for r in results} == {str(model_b)}  # the response names the model that served it
     wait_for(lambda: served(b) - before[2] >= 4, timeout=10, what="worker b's success counter")
     assert served(b) - before[2] == 4

@@ -27,8 +27,16 @@ class Sim:
     """A scheduler + block manager driven like the engine, with a fake model that 'samples'
     ``next_token(seq)``."""
 
-    def __init__(self, num_blocks: int, *, block_size: int = BS, max_num_seqs: int = 16,
-                 max_num_batched_tokens: int = 1024, caching: bool = True, max_model_len: int | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        block_size: int = BS,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 1024,
+        caching: bool = True,
+        max_model_len: int | None = None,
+    ):
         self.bm = BlockManager(num_blocks, block_size, caching)
         self.sched = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens)
         self.max_model_len = max_model_len or num_blocks * block_size
@@ -41,8 +49,9 @@ class Sim:
         if arrival is None:
             self.clock += 1.0
             arrival = self.clock
-        seq = Sequence(rid, list(prompt), SamplingParams(max_tokens=max_tokens), priority=priority,
-                       arrival_time=arrival)
+        seq = Sequence(
+            rid, list(prompt), SamplingParams(max_tokens=max_tokens), priority=priority, arrival_time=arrival
+        )
         self.seqs[rid] = seq
         self.sched.add(seq)
         return seq
@@ -52,8 +61,9 @@ class Sim:
         return 1000 + seq.num_tokens
 
     def check_stop(self, seq: Sequence, tok: int) -> str | None:
-        return "length" if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len \
-            else None
+        return (
+            "length" if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len else None
+        )
 
     def step(self):
         out = self.sched.schedule()
@@ -97,6 +107,7 @@ def ids(seqs) -> list[str]:
 
 
 # -- admission order ---------------------------------------------------------------------------
+
 
 def test_fcfs_admission_and_max_num_seqs():
     sim = Sim(64, max_num_seqs=2)
@@ -154,6 +165,7 @@ def test_head_of_line_waits_when_blocks_are_short():
 
 
 # -- token budget, decode first, chunked prefill -----------------------------------------------
+
 
 def test_token_budget_is_respected_and_prefill_is_chunked():
     budget = 10
@@ -221,6 +233,7 @@ def test_decode_tokens_alone_can_use_the_whole_budget():
 
 
 # -- preemption --------------------------------------------------------------------------------
+
 
 def test_out_of_blocks_preempts_the_newest_running_sequence_and_readmits_it():
     sim = Sim(4, max_num_seqs=8)
@@ -373,6 +386,7 @@ def test_a_sequence_that_cannot_fit_preempts_itself_when_it_is_the_lowest():
 
 # -- removal, block accounting, prefix hits ----------------------------------------------------
 
+
 def test_remove_running_and_waiting_returns_every_block():
     sim = Sim(16, max_num_seqs=2)
     shared = list(range(1, 9))
@@ -406,6 +420,7 @@ def test_prefix_cache_hit_statistics_count_admitted_sequences():
 
 # -- randomized: invariants hold and every position reads the K/V its own prefix wrote ----------
 
+
 @dataclass
 class Req:
     prompt: list[int]
@@ -423,11 +438,24 @@ req_strategy = st.builds(
 )
 
 
-def simulate(reqs: list[Req], num_blocks: int, block_size: int, max_num_seqs: int, budget: int,
-             caching: bool, abort_at: dict[int, int]) -> None:
+def simulate(
+    reqs: list[Req],
+    num_blocks: int,
+    block_size: int,
+    max_num_seqs: int,
+    budget: int,
+    caching: bool,
+    abort_at: dict[int, int],
+) -> None:
     max_len = num_blocks * block_size
-    sim = Sim(num_blocks, block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-              caching=caching, max_model_len=max_len)
+    sim = Sim(
+        num_blocks,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        caching=caching,
+        max_model_len=max_len,
+    )
     # model of the KV cache: what each slot holds = the token prefix whose last token it encodes
     kv: dict[tuple[int, int], tuple[int, ...]] = {}
     pending = sorted(((r.arrive_step, i, r) for i, r in enumerate(reqs)), key=lambda t: (t[0], t[1]))
@@ -467,7 +495,8 @@ def simulate(reqs: list[Req], num_blocks: int, block_size: int, max_num_seqs: in
             t = s.block_table
             for p in range(s.num_computed_tokens):
                 assert kv.get((t[p // block_size], p % block_size)) == tuple(s.token_ids[: p + 1]), (
-                    f"seq {s.request_id} position {p} reads K/V of another prefix")
+                    f"seq {s.request_id} position {p} reads K/V of another prefix"
+                )
             assert len(t) * block_size >= s.num_computed_tokens + n
             for p in range(s.num_computed_tokens, s.num_computed_tokens + n):
                 kv[(t[p // block_size], p % block_size)] = tuple(s.token_ids[: p + 1])
@@ -500,12 +529,24 @@ def test_random_workloads_without_prefix_caching(reqs, num_blocks, block_size, m
     simulate(reqs, num_blocks, block_size, max_num_seqs, budget, False, abort_at)
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, database=None,
-          phases=[Phase.explicit, Phase.generate], suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(**sim_args)
 # found by this test: [2, 1] runs twice (the 2nd recomputes block [1] as an anonymous duplicate),
 # the next full block is registered with parent None and [1, 1] then "hits" it at position 0
-@example(reqs=[Req([1, 1], 1, 0, 1), Req([2, 1], 1, 0, 0), Req([2, 1], 2, 0, 0)], num_blocks=4, block_size=1,
-         max_num_seqs=1, budget=1, abort_at={})
+@example(
+    reqs=[Req([1, 1], 1, 0, 1), Req([2, 1], 1, 0, 0), Req([2, 1], 2, 0, 0)],
+    num_blocks=4,
+    block_size=1,
+    max_num_seqs=1,
+    budget=1,
+    abort_at={},
+)
 def test_random_workloads_with_prefix_caching(reqs, num_blocks, block_size, max_num_seqs, budget, abort_at):
     simulate(reqs, num_blocks, block_size, max_num_seqs, budget, True, abort_at)

@@ -7,7 +7,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from batchery.engine.sampling import SamplingParams
 from batchery.contract.schemas import (
     MAX_MESSAGES,
     MAX_TEXT_CHARS,
@@ -17,6 +16,7 @@ from batchery.contract.schemas import (
     CompletionRequest,
     describe_validation_error,
 )
+from batchery.engine.sampling import SamplingParams
 
 HI = [{"role": "user", "content": "Hi"}]
 
@@ -37,21 +37,49 @@ def test_minimal_chat_body_defaults():
 
 def test_chat_body_maps_every_sampling_field():
     body = {
-        "model": "whatever", "messages": HI, "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 40,
-        "min_p": 0.05, "stop": "END", "seed": 3, "presence_penalty": 0.5, "frequency_penalty": -0.5,
-        "repetition_penalty": 1.1, "logprobs": True, "top_logprobs": 3, "n": 1, "ignore_eos": True,
-        "min_tokens": 2, "stop_token_ids": [5],
+        "model": "whatever",
+        "messages": HI,
+        "max_tokens": 7,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 40,
+        "min_p": 0.05,
+        "stop": "END",
+        "seed": 3,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.1,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "n": 1,
+        "ignore_eos": True,
+        "min_tokens": 2,
+        "stop_token_ids": [5],
     }
     s = ChatCompletionRequest.model_validate(body).sampling()
-    assert s == dict(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
-                     presence_penalty=0.5, frequency_penalty=-0.5, seed=3, stop=["END"], stop_token_ids=[5],
-                     ignore_eos=True, min_tokens=2, logprobs=3)
+    assert s == dict(
+        max_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        seed=3,
+        stop=["END"],
+        stop_token_ids=[5],
+        ignore_eos=True,
+        min_tokens=2,
+        logprobs=3,
+    )
     SamplingParams(**s)  # the engine accepts it as is
 
 
 def test_text_content_parts_are_joined():
     req = ChatCompletionRequest.model_validate(
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    )
     assert req.engine_messages()[0]["content"] == "ab"
 
 
@@ -61,23 +89,26 @@ def test_max_completion_tokens_alias():
     assert "disagree" in error_of(ChatCompletionRequest, {"messages": HI, "max_tokens": 1, "max_completion_tokens": 2})
 
 
-@pytest.mark.parametrize("body, needle", [
-    ({"messages": HI, "n": 2}, "n must be 1"),
-    ({"messages": HI, "stream": True}, "stream is not supported"),
-    ({"messages": []}, "messages"),
-    ({}, "messages: Field required"),
-    ({"messages": HI, "temperature": 3}, "temperature"),
-    ({"messages": HI, "top_p": 0}, "top_p"),
-    ({"messages": HI, "max_tokens": 0}, "max_tokens"),
-    ({"messages": HI, "top_logprobs": 2}, "top_logprobs requires logprobs"),
-    ({"messages": HI, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
-    ({"messages": HI, "stop": [""]}, "stop"),
-    ({"messages": HI, "stop": ["x"] * 17}, "at most 16 stop strings"),
-    ({"messages": HI, "tools": []}, "tools: Extra inputs are not permitted"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "only text"),
-    ({"messages": HI, "seed": -1}, "seed"),
-])
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"messages": HI, "n": 2}, "n must be 1"),
+        ({"messages": HI, "stream": True}, "stream is not supported"),
+        ({"messages": []}, "messages"),
+        ({}, "messages: Field required"),
+        ({"messages": HI, "temperature": 3}, "temperature"),
+        ({"messages": HI, "top_p": 0}, "top_p"),
+        ({"messages": HI, "max_tokens": 0}, "max_tokens"),
+        ({"messages": HI, "top_logprobs": 2}, "top_logprobs requires logprobs"),
+        ({"messages": HI, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"messages": HI, "stop": [""]}, "stop"),
+        ({"messages": HI, "stop": ["x"] * 17}, "at most 16 stop strings"),
+        ({"messages": HI, "tools": []}, "tools: Extra inputs are not permitted"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "only text"),
+        ({"messages": HI, "seed": -1}, "seed"),
+    ],
+)
 def test_bad_chat_bodies_have_clear_errors(body, needle):
     msg = error_of(ChatCompletionRequest, body)
     assert msg.startswith("invalid request body: ")
@@ -104,37 +135,56 @@ def test_completion_bodies():
 
 
 def test_response_models_parse_openai_shapes():
-    chat = ChatCompletion.model_validate({
-        "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop",
-                     "logprobs": None}],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-        "system_fingerprint": "extra fields are kept",
-    })
+    chat = ChatCompletion.model_validate(
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "created": 1,
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "hi"},
+                    "finish_reason": "stop",
+                    "logprobs": None,
+                }
+            ],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+            "system_fingerprint": "extra fields are kept",
+        }
+    )
     assert chat.choices[0].message.content == "hi" and chat.usage.total_tokens == 4
-    comp = Completion.model_validate({
-        "id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
-        "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-    })
+    comp = Completion.model_validate(
+        {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "created": 1,
+            "model": "m",
+            "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+    )
     assert comp.choices[0].text == "x"
 
 
-sampling_bodies = st.fixed_dictionaries({"messages": st.just(HI), "logprobs": st.booleans()}, optional={
-    "max_tokens": st.integers(1, 1 << 17),
-    "temperature": st.floats(0, 2),
-    "top_p": st.floats(0, 1, exclude_min=True),
-    "top_k": st.integers(-1, 1000),
-    "min_p": st.floats(0, 1),
-    "presence_penalty": st.floats(-2, 2),
-    "frequency_penalty": st.floats(-2, 2),
-    "repetition_penalty": st.floats(0, 10, exclude_min=True),
-    "seed": st.integers(0, 2**63 - 1),
-    "stop": st.lists(st.text(min_size=1, max_size=8), max_size=16),
-    "top_logprobs": st.integers(0, 20),
-    "min_tokens": st.integers(0, 100),
-    "stop_token_ids": st.lists(st.integers(0, 10**6), max_size=8),
-})
+sampling_bodies = st.fixed_dictionaries(
+    {"messages": st.just(HI), "logprobs": st.booleans()},
+    optional={
+        "max_tokens": st.integers(1, 1 << 17),
+        "temperature": st.floats(0, 2),
+        "top_p": st.floats(0, 1, exclude_min=True),
+        "top_k": st.integers(-1, 1000),
+        "min_p": st.floats(0, 1),
+        "presence_penalty": st.floats(-2, 2),
+        "frequency_penalty": st.floats(-2, 2),
+        "repetition_penalty": st.floats(0, 10, exclude_min=True),
+        "seed": st.integers(0, 2**63 - 1),
+        "stop": st.lists(st.text(min_size=1, max_size=8), max_size=16),
+        "top_logprobs": st.integers(0, 20),
+        "min_tokens": st.integers(0, 100),
+        "stop_token_ids": st.lists(st.integers(0, 10**6), max_size=8),
+    },
+)
 
 
 @settings(max_examples=200, deadline=None)

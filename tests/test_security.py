@@ -22,10 +22,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from conftest import WorkerFactory, free_port, wait_for
-from batchery.client import Client
+
 from batchery.broker.check import RedisAuthError, check_redis
+from batchery.client import Client
 from batchery.contract.settings import Settings
 
 HI = [{"role": "user", "content": "hello world"}]
@@ -40,16 +40,30 @@ class PrivateRedis:
         self.password = secrets.token_urlsafe(18)
         self.port = free_port()
         self.tls = tls
-        conf = ["bind 127.0.0.1", f"requirepass {self.password}", 'save ""', "appendonly no",
-                "maxmemory-policy noeviction", f"dir {workdir}", 'logfile ""']
+        conf = [
+            "bind 127.0.0.1",
+            f"requirepass {self.password}",
+            'save ""',
+            "appendonly no",
+            "maxmemory-policy noeviction",
+            f"dir {workdir}",
+            'logfile ""',
+        ]
         if tls:
-            conf += ["port 0", f"tls-port {self.port}", f"tls-cert-file {tls['cert']}",
-                     f"tls-key-file {tls['key']}", f"tls-ca-cert-file {tls['cert']}", "tls-auth-clients no"]
+            conf += [
+                "port 0",
+                f"tls-port {self.port}",
+                f"tls-cert-file {tls['cert']}",
+                f"tls-key-file {tls['key']}",
+                f"tls-ca-cert-file {tls['cert']}",
+                "tls-auth-clients no",
+            ]
         else:
             conf += [f"port {self.port}"]
         self.log = open(workdir / f"redis-{self.port}.log", "wb")
-        self.proc = subprocess.Popen(["redis-server", "-"], stdin=subprocess.PIPE, stdout=self.log,
-                                     stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            ["redis-server", "-"], stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT
+        )
         self.proc.stdin.write(("\n".join(conf) + "\n").encode())
         self.proc.stdin.close()
         wait_for(lambda: self._answers(), 15, what="the private redis-server")
@@ -58,8 +72,7 @@ class PrivateRedis:
         pw = self.password if password is None else password
         auth = f":{pw}@" if pw else ""
         if self.tls:
-            return (f"rediss://{auth}127.0.0.1:{self.port}/{db}"
-                    f"?ssl_cert_reqs=required&ssl_ca_certs={self.tls['cert']}")
+            return f"rediss://{auth}127.0.0.1:{self.port}/{db}?ssl_cert_reqs=required&ssl_ca_certs={self.tls['cert']}"
         return f"redis://{auth}127.0.0.1:{self.port}/{db}"
 
     def _answers(self) -> bool:
@@ -77,9 +90,18 @@ class PrivateRedis:
 
 
 def client_for(url0: str, url1: str) -> Client:
-    return Client(settings=Settings(broker_url=url0, result_backend=url1, queue=QUEUE, result_expires=600,
-                                    max_task_timeout=60, task_timeout=60, retry_backoff_max=2,
-                                    visibility_timeout=300))
+    return Client(
+        settings=Settings(
+            broker_url=url0,
+            result_backend=url1,
+            queue=QUEUE,
+            result_expires=600,
+            max_task_timeout=60,
+            task_timeout=60,
+            retry_backoff_max=2,
+            visibility_timeout=300,
+        )
+    )
 
 
 def spawn(factory: WorkerFactory, broker: str, backend: str, **env):
@@ -106,8 +128,12 @@ def test_worker_and_client_work_through_a_password_url(locked, secure_worker):
     with client_for(locked.url(0), locked.url(1)) as c:
         r = c.chat(HI, max_tokens=4, temperature=0).get(timeout=60)
         assert r.usage.completion_tokens > 0
-        line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-                "body": {"messages": HI, "max_tokens": 2}}
+        line = {
+            "custom_id": "a",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": HI, "max_tokens": 2},
+        }
         job = c.submit_batch([line])
         assert c.wait_batch(job, timeout=60).request_counts.completed == 1
         assert [x["custom_id"] for x in c.batch_results(job)] == ["a"]
@@ -130,8 +156,13 @@ def test_the_password_never_reaches_the_worker_log(locked, secure_worker):
 
 
 # -- 2. a wrong or missing password -----------------------------------------------------------------
-@pytest.mark.parametrize("password, says", [("wrong-password", "refused the password in BATCHERY_BROKER_URL"),
-                                            ("", "requires a password and BATCHERY_BROKER_URL has none")])
+@pytest.mark.parametrize(
+    "password, says",
+    [
+        ("wrong-password", "refused the password in BATCHERY_BROKER_URL"),
+        ("", "requires a password and BATCHERY_BROKER_URL has none"),
+    ],
+)
 def test_worker_with_bad_credentials_exits_2_before_loading_the_model(locked, workers, password, says):
     url = locked.url(0, password=password)
     w = spawn(workers, url, url, ready=False)
@@ -142,8 +173,9 @@ def test_worker_with_bad_credentials_exits_2_before_loading_the_model(locked, wo
     assert locked.password not in log and (not password or password not in log)
 
 
-@pytest.mark.parametrize("password, says", [("wrong-password", "refused the password in the broker URL"),
-                                            ("", "requires a password")])
+@pytest.mark.parametrize(
+    "password, says", [("wrong-password", "refused the password in the broker URL"), ("", "requires a password")]
+)
 def test_client_with_bad_credentials_fails_at_once(locked, password, says):
     url = locked.url(0, password=password)
     t0 = time.monotonic()
@@ -163,9 +195,29 @@ def tls_redis(tmp_path_factory):
         pytest.skip("needs openssl to make a certificate")
     d = tmp_path_factory.mktemp("redis-tls")
     cert, key = d / "cert.pem", d / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     r = PrivateRedis(d, tls={"cert": cert, "key": key})
     yield r
     r.stop()

@@ -30,8 +30,14 @@ MAX_MODEL_LEN = 512
 
 @pytest.fixture(scope="module")
 def config(tiny_model_dir) -> EngineConfig:
-    return EngineConfig(model=str(tiny_model_dir), dtype="float32", max_num_seqs=16, num_kv_blocks=128,
-                        max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256)
+    return EngineConfig(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        max_num_seqs=16,
+        num_kv_blocks=128,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=256,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +51,21 @@ def engine(config, loaded) -> LLMEngine:
 
 
 def chat(text: str = "hello world", *, solo: bool = False, **sampling) -> GenerationRequest:
-    return GenerationRequest(messages=[{"role": "user", "content": text}], solo=solo,
-                             sampling={"max_tokens": 4, "temperature": 0.0, "ignore_eos": True, **sampling})
+    return GenerationRequest(
+        messages=[{"role": "user", "content": text}],
+        solo=solo,
+        sampling={"max_tokens": 4, "temperature": 0.0, "ignore_eos": True, **sampling},
+    )
 
 
-def pending(rid: str, request: GenerationRequest | None = None, *, in_engine: bool = False, solo_failures: int = 0,
-            submitted_at: float | None = None) -> Pending:
+def pending(
+    rid: str,
+    request: GenerationRequest | None = None,
+    *,
+    in_engine: bool = False,
+    solo_failures: int = 0,
+    submitted_at: float | None = None,
+) -> Pending:
     p = Pending.new(rid, request or chat())
     p.in_engine, p.solo_failures = in_engine, solo_failures
     if submitted_at is not None:
@@ -69,13 +84,38 @@ def test_engine_state_values_are_the_documented_strings():
 
 
 def test_service_stats_as_dict():
-    st = ServiceStats(model_name="m", dtype="bfloat16", num_steps=4, num_step_seqs=10, step_seconds=1.23456789,
-                      engine={"num_running": 2})
+    st = ServiceStats(
+        model_name="m",
+        dtype="bfloat16",
+        num_steps=4,
+        num_step_seqs=10,
+        step_seconds=1.23456789,
+        engine={"num_running": 2},
+    )
     d = st.as_dict(EngineState.SERVING, num_pending=3)
-    assert list(d) == ["model", "dtype", "num_kv_blocks", "max_model_len", "state", "num_pending", "num_requests",
-                       "num_finished", "num_aborted", "num_steps", "num_step_seqs", "num_step_tokens",
-                       "step_seconds", "mean_batch_size", "num_failures", "num_rebuilds", "num_struck",
-                       "num_carried_over", "num_solo_runs", "num_poisoned", "engine"]
+    assert list(d) == [
+        "model",
+        "dtype",
+        "num_kv_blocks",
+        "max_model_len",
+        "state",
+        "num_pending",
+        "num_requests",
+        "num_finished",
+        "num_aborted",
+        "num_steps",
+        "num_step_seqs",
+        "num_step_tokens",
+        "step_seconds",
+        "mean_batch_size",
+        "num_failures",
+        "num_rebuilds",
+        "num_struck",
+        "num_carried_over",
+        "num_solo_runs",
+        "num_poisoned",
+        "engine",
+    ]
     assert d["state"] == "serving" and type(d["state"]) is str and d["num_pending"] == 3
     assert d["mean_batch_size"] == 2.5 and d["step_seconds"] == 1.234568
     d["engine"]["num_running"] = 99  # a copy: the caller cannot change the service's counters
@@ -83,28 +123,44 @@ def test_service_stats_as_dict():
     assert ServiceStats().as_dict(EngineState.NEW, 0)["mean_batch_size"] == 0.0  # no steps: no division by zero
 
 
-@pytest.mark.parametrize("state, loop_alive, healthy", [
-    (EngineState.SERVING, True, True),
-    (EngineState.DRAINING, True, True),
-    (EngineState.SERVING, False, False),
-    (EngineState.REBUILDING, False, True),
-    (EngineState.NEW, False, False),
-    (EngineState.FAILED, True, False),
-    (EngineState.STOPPED, False, False),
-])
+@pytest.mark.parametrize(
+    "state, loop_alive, healthy",
+    [
+        (EngineState.SERVING, True, True),
+        (EngineState.DRAINING, True, True),
+        (EngineState.SERVING, False, False),
+        (EngineState.REBUILDING, False, True),
+        (EngineState.NEW, False, False),
+        (EngineState.FAILED, True, False),
+        (EngineState.STOPPED, False, False),
+    ],
+)
 def test_health(state, loop_alive, healthy):
     h = Health(state, loop_alive, None, 0.12345, 2, None)
     d = h.as_dict()
-    assert d == {"healthy": healthy, "state": state.value, "loop_alive": loop_alive, "last_step_age_s": None,
-                 "last_loop_beat_age_s": 0.123, "num_pending": 2, "fatal_reason": None}
+    assert d == {
+        "healthy": healthy,
+        "state": state.value,
+        "loop_alive": loop_alive,
+        "last_step_age_s": None,
+        "last_loop_beat_age_s": 0.123,
+        "num_pending": 2,
+        "fatal_reason": None,
+    }
     assert Health(state, loop_alive, 1.00049, 0.0, 0, "x").as_dict()["last_step_age_s"] == 1.0
 
 
 def test_a_service_that_never_started_reports_new():
     s = EngineService(None)
     assert s.stats()["state"] == "new" and s.health() == {
-        "healthy": False, "state": "new", "loop_alive": False, "last_step_age_s": None,
-        "last_loop_beat_age_s": s.health()["last_loop_beat_age_s"], "num_pending": 0, "fatal_reason": None}
+        "healthy": False,
+        "state": "new",
+        "loop_alive": False,
+        "last_step_age_s": None,
+        "last_loop_beat_age_s": s.health()["last_loop_beat_age_s"],
+        "num_pending": 0,
+        "fatal_reason": None,
+    }
     assert not s.ready and not s.fatal and s.num_kv_blocks == 0 and s.engine_stats == {}
 
 
@@ -135,8 +191,13 @@ def test_engine_input_returns_the_request_error(engine):
 
 
 def test_prompt_text_is_what_the_client_sent():
-    msgs = GenerationRequest(messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": None},
-                                       {"role": "user", "content": "hi"}])
+    msgs = GenerationRequest(
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": None},
+            {"role": "user", "content": "hi"},
+        ]
+    )
     assert Pending.new("a", msgs).prompt_text() == "be brief\n\nhi"
     assert Pending.new("b", GenerationRequest(prompt="once")).prompt_text() == "once"
     assert Pending.new("c", GenerationRequest(prompt_token_ids=[1, 2])).prompt_text() is None
@@ -150,9 +211,15 @@ def test_logprob_rendering(engine):
     entries = [{"token_id": a, "logprob": -0.5, "top": [(a, -0.5), (b, -1.25)]}, {"token_id": b, "logprob": -2}]
     out = r.render(tok, entries)
     assert out == [
-        {"token": tok.decode([a]), "token_id": a, "logprob": -0.5,
-         "top": [{"token": tok.decode([a]), "token_id": a, "logprob": -0.5},
-                 {"token": tok.decode([b]), "token_id": b, "logprob": -1.25}]},
+        {
+            "token": tok.decode([a]),
+            "token_id": a,
+            "logprob": -0.5,
+            "top": [
+                {"token": tok.decode([a]), "token_id": a, "logprob": -0.5},
+                {"token": tok.decode([b]), "token_id": b, "logprob": -1.25},
+            ],
+        },
         {"token": tok.decode([b]), "token_id": b, "logprob": -2.0, "top": []},
     ]
     assert out[0]["token"] == "hello" and isinstance(out[1]["logprob"], float)
@@ -202,7 +269,8 @@ def test_triage_errors():
 def test_watchdog_reason():
     assert watchdog_reason(1.0, 1.0, 3, False) is None  # at the limit is not past it
     assert watchdog_reason(2.04, 1.0, 3, False) == (
-        "the watchdog fired: 3 requests pending and no engine step finished for 2.0 s (limit 1 s)")
+        "the watchdog fired: 3 requests pending and no engine step finished for 2.0 s (limit 1 s)"
+    )
     assert watchdog_reason(7.0, 0.5, 0, True).startswith("the watchdog fired: the canary step pending")
 
 

@@ -26,8 +26,10 @@ from batchery.engine.attention.triton_attention import (  # noqa: E402
 if os.environ.get("TRITON_INTERPRET") == "1" and isinstance(tl.zeros, triton.JITFunction):
     # triton chooses interpreter or compiler as each @jit function is defined, its own
     # triton.language helpers included, so the variable must be set before triton is imported.
-    pytest.fail("triton was imported before TRITON_INTERPRET=1 was set; set it in tests/conftest.py "
-                "or the environment", pytrace=False)
+    pytest.fail(
+        "triton was imported before TRITON_INTERPRET=1 was set; set it in tests/conftest.py or the environment",
+        pytrace=False,
+    )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 4e-2}
@@ -130,8 +132,11 @@ def test_store_then_attend_matches_dense_attention():
     out = paged_prefill_attention(q, k_cache, v_cache, table, cu, ctx, scale=0.2)
 
     expected = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1),
-        v.repeat_interleave(2, 1).transpose(0, 1), is_causal=True, scale=0.2,
+        q.transpose(0, 1),
+        k.repeat_interleave(2, 1).transpose(0, 1),
+        v.repeat_interleave(2, 1).transpose(0, 1),
+        is_causal=True,
+        scale=0.2,
     ).transpose(0, 1)
     _assert_close(out, expected, torch.float32)
 
@@ -177,10 +182,8 @@ def test_decode_split_context_matches_reference(num_splits, sliding_window):
     q = torch.randn(len(context_lens), num_heads, head_dim, generator=gen).to(DEVICE)
     ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
 
-    out = paged_decode_attention(q, k_cache, v_cache, table, ctx, 0.3, sliding_window, 40.0,
-                                 num_splits=num_splits)
-    single = paged_decode_attention(q, k_cache, v_cache, table, ctx, 0.3, sliding_window, 40.0,
-                                    num_splits=1)
+    out = paged_decode_attention(q, k_cache, v_cache, table, ctx, 0.3, sliding_window, 40.0, num_splits=num_splits)
+    single = paged_decode_attention(q, k_cache, v_cache, table, ctx, 0.3, sliding_window, 40.0, num_splits=1)
     expected = ref_paged_decode_attention(q, k_cache, v_cache, table, ctx, 0.3, sliding_window, 40.0)
     _assert_close(out, expected, torch.float32)
     _assert_close(single, expected, torch.float32)
@@ -224,10 +227,8 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim,sliding_window,softcap,prefix",
-                         PREFILL_CASES)
-def test_prefill_matches_reference(block_size, num_heads, num_kv_heads, head_dim, sliding_window, softcap,
-                                   prefix):
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim,sliding_window,softcap,prefix", PREFILL_CASES)
+def test_prefill_matches_reference(block_size, num_heads, num_kv_heads, head_dim, sliding_window, softcap, prefix):
     gen = torch.Generator().manual_seed(5)
     # (query tokens, context length); with a prefix, the context is longer than the query
     if prefix:
@@ -243,8 +244,7 @@ def test_prefill_matches_reference(block_size, num_heads, num_kv_heads, head_dim
     scale = head_dim**-0.5
 
     out = paged_prefill_attention(q, k_cache, v_cache, table, cu, ctx, scale, sliding_window, softcap)
-    expected = ref_paged_prefill_attention(q, k_cache, v_cache, table, cu, ctx, scale, sliding_window,
-                                           softcap)
+    expected = ref_paged_prefill_attention(q, k_cache, v_cache, table, cu, ctx, scale, sliding_window, softcap)
     _assert_close(out, expected, torch.float32)
 
 
@@ -380,8 +380,14 @@ def test_decode_graph_buffers_match_eager_steps(tiny_model_dir):
     assert bucket_sizes(6) == [1, 2, 4, 6]
     assert bucket_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
     assert bucket_sizes(1) == [1]
-    base = dict(model=str(tiny_model_dir), dtype="float32", device=DEVICE, block_size=4, max_num_seqs=6,
-                attention_backend="triton")
+    base = dict(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        device=DEVICE,
+        block_size=4,
+        max_num_seqs=6,
+        attention_backend="triton",
+    )
     loaded = load_model(EngineConfig(**base))
     shared = [5, 9, 14, 20, 7, 8, 30, 31]  # two full blocks every prompt shares
     prompts = [shared + [40 + i] * (i + 1) for i in range(5)]
@@ -394,8 +400,7 @@ def test_decode_graph_buffers_match_eager_steps(tiny_model_dir):
             assert not hasattr(eng.runner.graphs, "runner")  # they hold the model's forward, not the runner
         outs = {}
         for i, p in enumerate(prompts):  # lengths 3..11: the batch shrinks 5 -> 4 -> ... -> 1
-            eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True,
-                                                      logprobs=0))
+            eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True, logprobs=0))
         while eng.has_unfinished():
             for o in eng.step():
                 outs[o.request_id] = o

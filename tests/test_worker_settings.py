@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from batchery.contract.settings import DEFAULT_BROKER_URL, Settings, mask_url, queue_for_model
 from batchery.engine.config import EngineConfig
 from batchery.worker.service.faults import PARSERS, RebuildRaise, StepHang, StepRaise, parse_faults
-from batchery.contract.settings import DEFAULT_BROKER_URL, Settings, mask_url, queue_for_model
 
 
 @pytest.fixture(autouse=True)
@@ -49,10 +49,21 @@ def test_env_names_and_nested_engine_options(monkeypatch):
     s = Settings()
     assert s.result_backend == "redis://:secret@redis:6379/2"
     assert s.queue == "batchery.my-model"
-    assert (s.max_num_seqs, s.task_timeout, s.max_retries, s.visibility_timeout, s.health_port) == (32, 30, 5, 9000, 9100)
+    assert (s.max_num_seqs, s.task_timeout, s.max_retries, s.visibility_timeout, s.health_port) == (
+        32,
+        30,
+        5,
+        9000,
+        9100,
+    )
     cfg = EngineConfig(**s.engine_kwargs())
     assert (cfg.model, cfg.dtype, cfg.max_num_seqs, cfg.num_kv_blocks, cfg.block_size) == (
-        "/models/My Model.gguf", "float32", 32, 100, 32)
+        "/models/My Model.gguf",
+        "float32",
+        32,
+        100,
+        32,
+    )
     assert "secret" not in str(s.describe())
 
 
@@ -68,12 +79,15 @@ def test_visibility_timeout_must_outlast_the_longest_deadline(monkeypatch):
         Settings()
 
 
-@pytest.mark.parametrize("env", [
-    {"BATCHERY_TASK_TIMEOUT": "100", "BATCHERY_MAX_TASK_TIMEOUT": "50"},
-    {"BATCHERY_DTYPE": "int8"},
-    {"BATCHERY_MAX_NUM_SEQS": "0"},
-    {"BATCHERY_HEALTH_PORT": "70000"},
-])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"BATCHERY_TASK_TIMEOUT": "100", "BATCHERY_MAX_TASK_TIMEOUT": "50"},
+        {"BATCHERY_DTYPE": "int8"},
+        {"BATCHERY_MAX_NUM_SEQS": "0"},
+        {"BATCHERY_HEALTH_PORT": "70000"},
+    ],
+)
 def test_invalid_settings_fail_clearly(monkeypatch, env):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -81,13 +95,16 @@ def test_invalid_settings_fail_clearly(monkeypatch, env):
         Settings()
 
 
-@pytest.mark.parametrize("url, masked", [
-    ("redis://:secret@host:6379/0", "redis://:***@host:6379/0"),
-    ("redis://user:secret@host/0", "redis://user:***@host/0"),
-    ("rediss://u:p%40ss@[::1]:6380/1", "rediss://u:***@[::1]:6380/1"),
-    ("redis://host:6379/0", "redis://host:6379/0"),
-    ("sentinel://:pw@a:26379;sentinel://:pw@b:26379", None),
-])
+@pytest.mark.parametrize(
+    "url, masked",
+    [
+        ("redis://:secret@host:6379/0", "redis://:***@host:6379/0"),
+        ("redis://user:secret@host/0", "redis://user:***@host/0"),
+        ("rediss://u:p%40ss@[::1]:6380/1", "rediss://u:***@[::1]:6380/1"),
+        ("redis://host:6379/0", "redis://host:6379/0"),
+        ("sentinel://:pw@a:26379;sentinel://:pw@b:26379", None),
+    ],
+)
 def test_mask_url_never_shows_a_password(url, masked):
     out = mask_url(url)
     if masked is not None:
@@ -109,14 +126,17 @@ def test_fault_parser():
     assert set(PARSERS) >= {"step_raise", "step_hang"}
 
 
-@pytest.mark.parametrize("spec, needle", [
-    ("step_raise", "expected step_raise:N"),
-    ("step_raise:0", ">= 1"),
-    ("step_raise:x", "integer"),
-    ("step_hang:3", "expected step_hang:N:SECONDS"),
-    ("step_hang:3:-1", ">= 0"),
-    ("explode:1", "unknown fault 'explode'"),
-])
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ("step_raise", "expected step_raise:N"),
+        ("step_raise:0", ">= 1"),
+        ("step_raise:x", "integer"),
+        ("step_hang:3", "expected step_hang:N:SECONDS"),
+        ("step_hang:3:-1", ">= 0"),
+        ("explode:1", "unknown fault 'explode'"),
+    ],
+)
 def test_fault_parser_errors_name_the_entry(spec, needle):
     with pytest.raises(ValueError, match=needle):
         parse_faults(spec)

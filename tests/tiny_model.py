@@ -40,13 +40,18 @@ def build_tokenizer():
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins tokens with spaces
     tok.add_special_tokens(SPECIAL_TOKENS)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
         chat_template=CHAT_TEMPLATE,
     )
 
 
-def build_tiny_model(path: str | Path, *, seed: int = 0, num_layers: int = 2, hidden_size: int = 64,
-                     max_position_embeddings: int = 8192) -> Path:
+def build_tiny_model(
+    path: str | Path, *, seed: int = 0, num_layers: int = 2, hidden_size: int = 64, max_position_embeddings: int = 8192
+) -> Path:
     """Write the tiny model to ``path`` (created) and return it."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

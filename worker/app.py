@@ -17,8 +17,14 @@ def make_app(settings: Settings | None = None) -> Celery:
     settings = settings or Settings()
     app = make_celery(settings)
     expected = (InvalidRequest, DeadlineExceeded, EngineCrash)  # logged without a traceback
-    common = dict(bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=settings.max_retries,
-                  throws=expected, resultrepr_maxsize=160)
+    common = dict(
+        bind=True,
+        acks_late=True,
+        reject_on_worker_lost=True,
+        max_retries=settings.max_retries,
+        throws=expected,
+        resultrepr_maxsize=160,
+    )
     app.task(name=CHAT_TASK, **common)(chat.chat_completion)
     app.task(name=COMPLETION_TASK, **common)(chat.completion)
     # a batch line's outcome is its record in the job (batchery.jobs.store), not a Celery result

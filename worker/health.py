@@ -40,8 +40,12 @@ class HealthServer:
 
     def _readyz(self):
         ready = bool(self.service.ready and self.consuming)
-        body = {"ready": ready, "model_loaded": bool(self.service.num_kv_blocks), "consuming": self.consuming,
-                "state": self.service.state}
+        body = {
+            "ready": ready,
+            "model_loaded": bool(self.service.num_kv_blocks),
+            "consuming": self.consuming,
+            "state": self.service.state,
+        }
         return (200 if ready else 503), body, "application/json"
 
     def _stats(self):

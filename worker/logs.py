@@ -26,7 +26,7 @@ import logging
 import os
 import re
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s"
 CONTEXT_FIELDS = ("task_id", "task_name", "job_id", "line", "custom_id")
@@ -34,8 +34,10 @@ LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 FORMATS = ("text", "json")
 
 _URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^:/@\s]*):(?P<pw>[^/\s]+)@")
-_PARAM_PASSWORD = re.compile(r"(?i)\b(?P<key>password|passwd|pwd)(?P<sep>=)(?P<pw>[^&\s\"',]+)"
-                             r"|\b(?P<key2>requirepass)(?P<sep2>\s+)(?P<pw2>\S+)")
+_PARAM_PASSWORD = re.compile(
+    r"(?i)\b(?P<key>password|passwd|pwd)(?P<sep>=)(?P<pw>[^&\s\"',]+)"
+    r"|\b(?P<key2>requirepass)(?P<sep2>\s+)(?P<pw2>\S+)"
+)
 
 _bound: contextvars.ContextVar[dict | None] = contextvars.ContextVar("batchery_log_context", default=None)
 
@@ -140,7 +142,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         out = {
-            "ts": datetime.fromtimestamp(record.created, tz=timezone.utc).isoformat(timespec="milliseconds"),
+            "ts": datetime.fromtimestamp(record.created, tz=UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname,
             "logger": record.name,
             "thread": record.threadName,

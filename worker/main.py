@@ -14,14 +14,15 @@ import socket
 import sys
 import threading
 
-from batchery.worker.logs import configure_logging
 from batchery.contract.settings import Settings, mask_url
+from batchery.worker.logs import configure_logging
 
 log = logging.getLogger("batchery.worker")
 
 EXIT_OK = 0
 EXIT_CONFIG = 2
 EXIT_ENGINE_DEAD = 3
+
 
 def _exit_during_startup(signum, frame) -> None:
     raise SystemExit(EXIT_OK)
@@ -31,14 +32,14 @@ def run_worker(settings: Settings | None = None) -> int:
     """Run a worker in this process (blocking). Returns the process exit code."""
     from celery import signals
 
+    from batchery.broker.check import RedisAuthError, check_redis
     from batchery.engine.config import EngineConfig
-    from batchery.worker.app import make_app
-    from batchery.worker.service import EngineService
-    from batchery.worker.service.faults import parse_faults
     from batchery.worker import kombu_patches
+    from batchery.worker.app import make_app
     from batchery.worker.health import HealthServer
     from batchery.worker.metrics import WorkerMetrics
-    from batchery.broker.check import RedisAuthError, check_redis
+    from batchery.worker.service import EngineService
+    from batchery.worker.service.faults import parse_faults
 
     try:
         settings = settings or Settings()
@@ -52,9 +53,15 @@ def run_worker(settings: Settings | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         # Until Celery installs its own handlers, SIGTERM means "never mind": nothing is consumed yet.
         signal.signal(signal.SIGTERM, _exit_during_startup)
-    log.info("starting worker: model=%s queue=%s broker=%s backend=%s threads=%d faults=%s", settings.model,
-             settings.queue, mask_url(settings.broker_url), mask_url(settings.result_backend),
-             settings.num_task_threads, settings.faults or "none")
+    log.info(
+        "starting worker: model=%s queue=%s broker=%s backend=%s threads=%d faults=%s",
+        settings.model,
+        settings.queue,
+        mask_url(settings.broker_url),
+        mask_url(settings.result_backend),
+        settings.num_task_threads,
+        settings.faults or "none",
+    )
     # Refused credentials are a configuration error: say so now, not after loading the model and
     # retrying the connection for minutes. An unreachable Redis is left to Celery's retries.
     checks = [("BATCHERY_BROKER_URL", settings.broker_url)]
@@ -64,8 +71,9 @@ def run_worker(settings: Settings | None = None) -> int:
         for setting, url in checks:
             problem = check_redis(url, setting)
             if problem:
-                log.warning("Redis at %s (%s) does not answer yet: %s; the worker keeps trying", mask_url(url),
-                            setting, problem)
+                log.warning(
+                    "Redis at %s (%s) does not answer yet: %s; the worker keeps trying", mask_url(url), setting, problem
+                )
     except RedisAuthError as exc:
         log.critical("%s; not starting", exc)
         return EXIT_CONFIG
@@ -80,9 +88,15 @@ def run_worker(settings: Settings | None = None) -> int:
         fatal.set()
         os.kill(os.getpid(), signal.SIGTERM)
 
-    service = EngineService(engine_config, watchdog_timeout=settings.watchdog_timeout,
-                            max_rebuilds=settings.max_rebuilds, faults=faults, on_fatal=on_fatal,
-                            batch_wait=settings.batch_wait, solo_attempts=settings.quarantine.solo_attempts)
+    service = EngineService(
+        engine_config,
+        watchdog_timeout=settings.watchdog_timeout,
+        max_rebuilds=settings.max_rebuilds,
+        faults=faults,
+        on_fatal=on_fatal,
+        batch_wait=settings.batch_wait,
+        solo_attempts=settings.quarantine.solo_attempts,
+    )
     try:
         service.start()  # loads the weights before a single message is taken
     except SystemExit:
@@ -114,9 +128,15 @@ def run_worker(settings: Settings | None = None) -> int:
     def on_ready(sender=None, **kwargs) -> None:
         if health is not None:
             health.consuming = True
-        log.info("batchery worker ready: model=%s dtype=%s kv_blocks=%d max_model_len=%d queue=%s threads=%d",
-                 settings.model, service.dtype, service.num_kv_blocks, service.max_model_len, settings.queue,
-                 settings.num_task_threads)
+        log.info(
+            "batchery worker ready: model=%s dtype=%s kv_blocks=%d max_model_len=%d queue=%s threads=%d",
+            settings.model,
+            service.dtype,
+            service.num_kv_blocks,
+            service.max_model_len,
+            settings.queue,
+            settings.num_task_threads,
+        )
 
     def on_shutting_down(sig=None, how=None, exitcode=None, **kwargs) -> None:
         # Called in the main thread's signal handler: flag only, no blocking work.

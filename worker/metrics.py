@@ -44,10 +44,45 @@ log = logging.getLogger("batchery.worker.metrics")
 
 QUEUE_DEPTH_TTL_S = 2.0
 
-WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
-                1800.0, 3600.0)
-DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
-                    1800.0, 3600.0)
+WAIT_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+    3600.0,
+)
+DURATION_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+    3600.0,
+)
 ENGINE_STATES = tuple(s.value for s in EngineState)
 
 # What /metrics exposes (the family names; counters get a _total suffix, histograms _bucket/_sum/_count).
@@ -178,19 +213,32 @@ class WorkerMetrics:
         self.service = service
         self.settings = settings
         r = self.registry = CollectorRegistry(auto_describe=False)
-        self.requests = Counter("batchery_requests", "Task attempts by task and how they ended.",
-                                ["task", "outcome"], registry=r)
-        self.retries = Counter("batchery_retries", "Task attempts retried after an engine failure.", ["task"],
-                               registry=r)
-        self.prompt_tokens = Counter("batchery_prompt_tokens", "Prompt tokens of finished requests.", ["task"],
-                                     registry=r)
-        self.generation_tokens = Counter("batchery_generation_tokens", "Generated tokens of finished requests.",
-                                         ["task"], registry=r)
-        self.queue_wait = Histogram("batchery_queue_wait_seconds",
-                                    "Enqueue (batchery_enqueued_at header) to task start, first attempts.",
-                                    ["task"], buckets=WAIT_BUCKETS, registry=r)
-        self.duration = Histogram("batchery_request_duration_seconds", "Task start to end, per attempt.",
-                                  ["task"], buckets=DURATION_BUCKETS, registry=r)
+        self.requests = Counter(
+            "batchery_requests", "Task attempts by task and how they ended.", ["task", "outcome"], registry=r
+        )
+        self.retries = Counter(
+            "batchery_retries", "Task attempts retried after an engine failure.", ["task"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "batchery_prompt_tokens", "Prompt tokens of finished requests.", ["task"], registry=r
+        )
+        self.generation_tokens = Counter(
+            "batchery_generation_tokens", "Generated tokens of finished requests.", ["task"], registry=r
+        )
+        self.queue_wait = Histogram(
+            "batchery_queue_wait_seconds",
+            "Enqueue (batchery_enqueued_at header) to task start, first attempts.",
+            ["task"],
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "batchery_request_duration_seconds",
+            "Task start to end, per attempt.",
+            ["task"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
         for name in task_names:  # every series exists from the start, at 0
             self.requests.labels(name, "success")
             for m in (self.retries, self.prompt_tokens, self.generation_tokens, self.queue_wait, self.duration):
@@ -294,18 +342,30 @@ class _ServiceCollector:
         def gauge(name: str, doc: str, value):
             return GaugeMetricFamily(name, doc, value=value)
 
-        yield InfoMetricFamily("batchery_worker", "The worker's model and queue.", value={
-            "model": str(settings.model), "dtype": str(stats.get("dtype") or settings.dtype),
-            "queue": str(settings.queue), "max_num_seqs": str(settings.max_num_seqs)})
-        state = GaugeMetricFamily("batchery_engine_state", "1 for the engine service's current state.",
-                                  labels=["state"])
+        yield InfoMetricFamily(
+            "batchery_worker",
+            "The worker's model and queue.",
+            value={
+                "model": str(settings.model),
+                "dtype": str(stats.get("dtype") or settings.dtype),
+                "queue": str(settings.queue),
+                "max_num_seqs": str(settings.max_num_seqs),
+            },
+        )
+        state = GaugeMetricFamily(
+            "batchery_engine_state", "1 for the engine service's current state.", labels=["state"]
+        )
         for s in ENGINE_STATES:
             state.add_metric([s], 1.0 if stats.get("state") == s else 0.0)
         yield state
-        yield gauge("batchery_requests_in_flight", "Requests submitted to the engine, not yet resolved.",
-                    stats.get("num_pending", 0))
-        yield counter("batchery_quarantined_requests", "Requests put in quarantine (made to run alone).",
-                      num_quarantined())
+        yield gauge(
+            "batchery_requests_in_flight",
+            "Requests submitted to the engine, not yet resolved.",
+            stats.get("num_pending", 0),
+        )
+        yield counter(
+            "batchery_quarantined_requests", "Requests put in quarantine (made to run alone).", num_quarantined()
+        )
         yield counter("batchery_engine_steps", "Engine steps that scheduled work.", steps.step_seconds.count)
         yield hist("batchery_engine_step_seconds", "Wall time of one engine step.", steps.step_seconds)
         yield hist("batchery_engine_batch_size", "Sequences in one engine step.", steps.batch_size)
@@ -313,8 +373,11 @@ class _ServiceCollector:
         yield gauge("batchery_engine_running_seqs", "Sequences running in the engine.", engine.get("num_running", 0))
         yield gauge("batchery_engine_waiting_seqs", "Sequences waiting in the engine.", engine.get("num_waiting", 0))
         yield counter("batchery_engine_preemptions", "Sequences preempted (recomputed later).", steps.num_preemptions)
-        yield counter("batchery_engine_failures", "Engine failures: a step raised or the watchdog fired.",
-                      stats.get("num_failures", 0))
+        yield counter(
+            "batchery_engine_failures",
+            "Engine failures: a step raised or the watchdog fired.",
+            stats.get("num_failures", 0),
+        )
         yield counter("batchery_engine_restarts", "Successful engine rebuilds.", stats.get("num_rebuilds", 0))
         total = engine.get("kv_blocks_total", 0)
         free = engine.get("kv_blocks_free", 0)
@@ -323,11 +386,15 @@ class _ServiceCollector:
         hits, queries = steps.prefix_cache_hit_tokens, steps.prefix_cache_query_tokens
         yield counter("batchery_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", hits)
         yield counter("batchery_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.", queries)
-        yield gauge("batchery_prefix_cache_hit_rate", "Prefix-cache hit tokens / query tokens, process lifetime.",
-                    hits / queries if queries else 0.0)
+        yield gauge(
+            "batchery_prefix_cache_hit_rate",
+            "Prefix-cache hit tokens / query tokens, process lifetime.",
+            hits / queries if queries else 0.0,
+        )
         depth = self.m.queue_depth.get()
         if depth is not None:
-            g = GaugeMetricFamily("batchery_queue_depth", "Messages waiting in the worker's queue on the broker.",
-                                  labels=["queue"])
+            g = GaugeMetricFamily(
+                "batchery_queue_depth", "Messages waiting in the worker's queue on the broker.", labels=["queue"]
+            )
             g.add_metric([str(settings.queue)], depth)
             yield g

@@ -26,7 +26,6 @@ def check_redis(url: str, setting: str, timeout: float = 5.0) -> str | None:
     checked."""
     import redis
 
-
     if not is_redis_url(url):
         return None
     shown = mask_url(url)
@@ -37,8 +36,9 @@ def check_redis(url: str, setting: str, timeout: float = 5.0) -> str | None:
         return None
     except redis.AuthenticationError as exc:
         if urlsplit(url).password is None:
-            raise RedisAuthError(f"Redis at {shown} requires a password and {setting} has none; "
-                                 f"use redis://:PASSWORD@host:port/db") from None
+            raise RedisAuthError(
+                f"Redis at {shown} requires a password and {setting} has none; use redis://:PASSWORD@host:port/db"
+            ) from None
         raise RedisAuthError(f"Redis at {shown} refused the password in {setting}: {exc}") from None
     except redis.ResponseError as exc:
         if str(exc).startswith(("NOAUTH", "NOPERM", "WRONGPASS")):
@@ -46,8 +46,10 @@ def check_redis(url: str, setting: str, timeout: float = 5.0) -> str | None:
         return f"{type(exc).__name__}: {exc}"
     except (redis.RedisError, OSError) as exc:
         if "certificate verify failed" in str(exc):
-            raise RedisAuthError(f"TLS verification failed for Redis at {shown} ({setting}): {exc}; "
-                                 f"pass ssl_ca_certs=/path/to/ca.pem in the URL's query") from None
+            raise RedisAuthError(
+                f"TLS verification failed for Redis at {shown} ({setting}): {exc}; "
+                f"pass ssl_ca_certs=/path/to/ca.pem in the URL's query"
+            ) from None
         return f"{type(exc).__name__}: {exc}"
     finally:
         if client is not None:

@@ -37,8 +37,9 @@ def _logging_retry(retries: int = 6) -> Any:
             def on_fail(error: Exception, count: int) -> Any:
                 failures[0] = count
                 if count == 1:
-                    log.warning("Redis unavailable (%s); reconnecting with backoff (up to %d tries)", error,
-                                self._retries)
+                    log.warning(
+                        "Redis unavailable (%s); reconnecting with backoff (up to %d tries)", error, self._retries
+                    )
                 return fail(error, count) if with_failure_count else fail(error)
 
             result = super().call_with_retry(do, on_fail, is_retryable, with_failure_count=True)
@@ -60,14 +61,26 @@ def redis_from_url(url: str, **kwargs: Any) -> Any:
     parts = urlsplit(url)
     if parts.scheme in ("redis+socket", "socket"):
         q = parse_qs(parts.query)
-        return redis.Redis(unix_socket_path=parts.path, password=parts.password, username=parts.username or None,
-                           db=int(q.get("virtual_host", q.get("db", ["0"]))[0] or 0), **kwargs)
+        return redis.Redis(
+            unix_socket_path=parts.path,
+            password=parts.password,
+            username=parts.username or None,
+            db=int(q.get("virtual_host", q.get("db", ["0"]))[0] or 0),
+            **kwargs,
+        )
     return redis.Redis.from_url(url, **kwargs)
 
 
-def retry_through_outage(fn: Callable[[], T], what: str, *, attempts: int | None = None,
-                         deadline: float | None = None, first_delay: float = 0.5, max_delay: float = 10.0,
-                         logger: logging.Logger = log) -> T:
+def retry_through_outage(
+    fn: Callable[[], T],
+    what: str,
+    *,
+    attempts: int | None = None,
+    deadline: float | None = None,
+    first_delay: float = 0.5,
+    max_delay: float = 10.0,
+    logger: logging.Logger = log,
+) -> T:
     """``fn()``, called again with exponential backoff while Redis is unreachable, saying so in the log
     (``what`` names the work: "storing line 3 of batch_..."). Gives up, re-raising the error, after
     ``attempts`` calls or at ``deadline`` (``time.monotonic()``); with neither it waits forever. Only

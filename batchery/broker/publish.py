@@ -33,7 +33,8 @@ class MessageBuilder:
         self.priority = clamp_priority(priority)
         self.key = queue_key(queue, self.priority)
         headers, properties, _body, _sent = app.amqp.as_task_v2(
-            "template", task_name, args=(), kwargs={}, ignore_result=ignore_result, argsrepr="()", kwargsrepr="{}")
+            "template", task_name, args=(), kwargs={}, ignore_result=ignore_result, argsrepr="()", kwargsrepr="{}"
+        )
         self._headers = headers
         self._properties = {
             **properties,
@@ -54,8 +55,15 @@ class MessageBuilder:
         properties["correlation_id"] = task_id
         properties["delivery_tag"] = str(uuid.uuid4())
         body = base64.b64encode(_DUMPS([[], kwargs, self._embed]).encode("utf-8")).decode("ascii")
-        return _DUMPS({"body": body, "content-encoding": "utf-8", "content-type": "application/json",
-                       "headers": headers, "properties": properties})
+        return _DUMPS(
+            {
+                "body": body,
+                "content-encoding": "utf-8",
+                "content-type": "application/json",
+                "headers": headers,
+                "properties": properties,
+            }
+        )
 
     def push(self, pipe, messages: list[str]) -> None:
         """Queue ``messages`` in order (the worker pops from the other end: first in, first out)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, IO, NoReturn
+from typing import IO, Any, NoReturn
 
 from pydantic import BaseModel, ValidationError
 
@@ -84,8 +84,9 @@ def _loads(raw: bytes | str) -> Any:
     return json.loads(raw, parse_constant=_refuse_constant)
 
 
-def parse_line(raw: bytes | str, line: int, seen: set[str] | None = None, *,
-               max_line_bytes: int | None = None) -> BatchLine | LineError | None:
+def parse_line(
+    raw: bytes | str, line: int, seen: set[str] | None = None, *, max_line_bytes: int | None = None
+) -> BatchLine | LineError | None:
     """One physical line (with or without its newline) -> a request, an error record, or None for
     a blank line. Never raises. ``seen`` collects the custom_ids so far, for duplicate detection."""
     if max_line_bytes is not None:
@@ -110,8 +111,12 @@ def parse_line(raw: bytes | str, line: int, seen: set[str] | None = None, *,
 
 
 def too_large(line: int, size: int, max_line_bytes: int) -> LineError:
-    return LineError(line, None, LINE_TOO_LARGE,
-                     f"the line has {size} bytes; the limit is {max_line_bytes} (BATCHERY_BATCH__MAX_LINE_BYTES)")
+    return LineError(
+        line,
+        None,
+        LINE_TOO_LARGE,
+        f"the line has {size} bytes; the limit is {max_line_bytes} (BATCHERY_BATCH__MAX_LINE_BYTES)",
+    )
 
 
 def parse_object(obj: Any, line: int, seen: set[str] | None = None) -> BatchLine | LineError:
@@ -125,26 +130,35 @@ def parse_object(obj: Any, line: int, seen: set[str] | None = None) -> BatchLine
             what = "must not be empty"
         return LineError(line, None, MISSING_CUSTOM_ID, f"custom_id {what}")
     if len(custom_id) > MAX_CUSTOM_ID_CHARS:
-        return LineError(line, None, MISSING_CUSTOM_ID,
-                         f"custom_id has {len(custom_id)} characters; the limit is {MAX_CUSTOM_ID_CHARS}")
+        return LineError(
+            line,
+            None,
+            MISSING_CUSTOM_ID,
+            f"custom_id has {len(custom_id)} characters; the limit is {MAX_CUSTOM_ID_CHARS}",
+        )
     if seen is not None:
         if custom_id in seen:
-            return LineError(line, custom_id, DUPLICATE_CUSTOM_ID,
-                             f"custom_id {custom_id!r} already appeared earlier in this job")
+            return LineError(
+                line, custom_id, DUPLICATE_CUSTOM_ID, f"custom_id {custom_id!r} already appeared earlier in this job"
+            )
         seen.add(custom_id)
     extra = sorted(str(k) for k in obj.keys() - LINE_KEYS)
     if extra:
-        return LineError(line, custom_id, INVALID_LINE,
-                         f"unknown field(s) {', '.join(map(repr, extra[:5]))}; a line has custom_id, method, "
-                         "url and body")
+        return LineError(
+            line,
+            custom_id,
+            INVALID_LINE,
+            f"unknown field(s) {', '.join(map(repr, extra[:5]))}; a line has custom_id, method, url and body",
+        )
     method = obj.get("method")
     if method != "POST":
-        return LineError(line, custom_id, UNSUPPORTED_METHOD, f"method must be \"POST\", got {_short(method)}")
+        return LineError(line, custom_id, UNSUPPORTED_METHOD, f'method must be "POST", got {_short(method)}')
     url = obj.get("url")
     schema = ENDPOINTS.get(url) if isinstance(url, str) else None
     if schema is None or not isinstance(url, str):
-        return LineError(line, custom_id, UNSUPPORTED_URL,
-                         f"url must be one of {', '.join(ENDPOINTS)}, got {_short(url)}")
+        return LineError(
+            line, custom_id, UNSUPPORTED_URL, f"url must be one of {', '.join(ENDPOINTS)}, got {_short(url)}"
+        )
     body = obj.get("body")
     if not isinstance(body, dict):
         return LineError(line, custom_id, INVALID_BODY, f"body must be a JSON object, got {_json_type(body)}")
@@ -181,8 +195,7 @@ def iter_physical_lines(f: IO[bytes], max_line_bytes: int) -> Iterator[tuple[int
         yield line, (_TooLarge(size) if size > max_line_bytes else raw)
 
 
-def parse_stream(f: IO[bytes], max_line_bytes: int,
-                 seen: set[str] | None = None) -> Iterator[BatchLine | LineError]:
+def parse_stream(f: IO[bytes], max_line_bytes: int, seen: set[str] | None = None) -> Iterator[BatchLine | LineError]:
     """Every non-blank line of a binary file, as a request or an error record, in order."""
     seen = set() if seen is None else seen
     for line, raw in iter_physical_lines(f, max_line_bytes):
@@ -201,20 +214,39 @@ def record_id(job_id: str, line: int) -> str:
 
 
 def output_record(job_id: str, line: int, custom_id: str, request_id: str, body: dict) -> dict:
-    return {"id": record_id(job_id, line), "custom_id": custom_id,
-            "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+    return {
+        "id": record_id(job_id, line),
+        "custom_id": custom_id,
+        "response": {"status_code": 200, "request_id": request_id, "body": body},
+        "error": None,
+    }
 
 
-def error_record(job_id: str, line: int, custom_id: str | None, code: str, message: str, *,
-                 status_code: int | None = None, request_id: str | None = None) -> dict:
+def error_record(
+    job_id: str,
+    line: int,
+    custom_id: str | None,
+    code: str,
+    message: str,
+    *,
+    status_code: int | None = None,
+    request_id: str | None = None,
+) -> dict:
     """An error line. With ``status_code`` it carries an OpenAI-style error response too."""
     response = None
     if status_code is not None:
         kind = "invalid_request_error" if 400 <= status_code < 500 else "server_error"
-        response = {"status_code": status_code, "request_id": request_id,
-                    "body": {"error": {"message": message, "type": kind, "param": None, "code": code}}}
-    return {"id": record_id(job_id, line), "custom_id": custom_id, "response": response,
-            "error": {"code": code, "message": message, "line": line}}
+        response = {
+            "status_code": status_code,
+            "request_id": request_id,
+            "body": {"error": {"message": message, "type": kind, "param": None, "code": code}},
+        }
+    return {
+        "id": record_id(job_id, line),
+        "custom_id": custom_id,
+        "response": response,
+        "error": {"code": code, "message": message, "line": line},
+    }
 
 
 def line_error_record(job_id: str, err: LineError) -> dict:

@@ -19,5 +19,7 @@ def worker_install_hint(what: str) -> str | None:
     missing = missing_worker_packages()
     if not missing:
         return None
-    return (f"{what} needs the worker install ({', '.join(missing)} missing here): {WORKER_INSTALL}. "
-            "The light install (pip install batchery) has the client and the batch CLI.")
+    return (
+        f"{what} needs the worker install ({', '.join(missing)} missing here): {WORKER_INSTALL}. "
+        "The light install (pip install batchery) has the client and the batch CLI."
+    )

@@ -14,4 +14,3 @@ TASK_NAMES = (CHAT_TASK, COMPLETION_TASK, BATCH_LINE_TASK)
 
 QUEUE_PREFIX = "batchery."  # the default queue of a model is QUEUE_PREFIX + its name
 ENQUEUED_AT_HEADER = "batchery_enqueued_at"  # message header: the publisher's time.time() at enqueue
-

@@ -163,8 +163,11 @@ class ChatCompletionRequest(_SamplingFields):
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if (self.max_tokens is not None and self.max_completion_tokens is not None
-                and self.max_tokens != self.max_completion_tokens):
+        if (
+            self.max_tokens is not None
+            and self.max_completion_tokens is not None
+            and self.max_tokens != self.max_completion_tokens
+        ):
             raise ValueError("max_tokens and max_completion_tokens disagree; set one")
         total = sum(len(m.text()) for m in self.messages)
         if total > MAX_TEXT_CHARS:

@@ -8,7 +8,6 @@ This module is imported by the client too, so it stays light: no torch, no engin
 from __future__ import annotations
 
 import argparse
-
 import re
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -54,19 +53,28 @@ class EngineOptions(BaseModel):
     """Engine knobs beyond the interface names; mirror ``batchery.engine.config.EngineConfig``."""
 
     device: str = Field(default="auto", description="auto, cpu, cuda or cuda:N")
-    max_num_batched_tokens: int = Field(default=1024, ge=1,
-                                        description="token budget of one step: decodes first, then prompt chunks")
-    max_model_len: int | None = Field(default=None, ge=2,
-                                      description="context length; unset -> the model's, capped at 8192")
+    max_num_batched_tokens: int = Field(
+        default=1024, ge=1, description="token budget of one step: decodes first, then prompt chunks"
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=2, description="context length; unset -> the model's, capped at 8192"
+    )
     block_size: int = Field(default=8, ge=1, description="tokens per KV cache block")
-    num_kv_blocks: int | None = Field(default=None, ge=1,
-                                      description="KV pool size in blocks; overrides kv_cache_memory")
+    num_kv_blocks: int | None = Field(
+        default=None, ge=1, description="KV pool size in blocks; overrides kv_cache_memory"
+    )
     kv_cache_memory: int | None = Field(
-        default=None, ge=1,
-        description="KV pool bytes; unset -> 85% of the GPU memory free after the weights, 1 GiB on CPU")
+        default=None,
+        ge=1,
+        description="KV pool bytes; unset -> 85% of the GPU memory free after the weights, 1 GiB on CPU",
+    )
     enable_prefix_caching: bool = Field(default=True, description="share the KV blocks of common prompt prefixes")
-    attention_backend: str = Field(default="auto", description="auto (C++ kernel on CPU, Triton on CUDA), cpu, torch or triton")
-    cuda_graphs: bool = Field(default=True, description="replay decode steps from CUDA graphs (CUDA with Triton attention)")
+    attention_backend: str = Field(
+        default="auto", description="auto (C++ kernel on CPU, Triton on CUDA), cpu, torch or triton"
+    )
+    cuda_graphs: bool = Field(
+        default=True, description="replay decode steps from CUDA graphs (CUDA with Triton attention)"
+    )
     trust_remote_code: bool = Field(default=False, description="let transformers run a model repo's own code")
     seed: int = Field(default=0, description="sampler seed for requests without their own seed")
 
@@ -78,8 +86,9 @@ class BatchOptions(BaseModel):
     max_line_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20, description="bytes per input line")
     max_lines: int = Field(default=100_000, ge=1, le=10_000_000, description="request lines per job")
     ttl: int = Field(default=7 * 86400, ge=60, description="seconds a job and its results are kept once it ends")
-    key_prefix: str = Field(default="batchery:batch", min_length=1, max_length=64,
-                            description="Redis key prefix of the job state")
+    key_prefix: str = Field(
+        default="batchery:batch", min_length=1, max_length=64, description="Redis key prefix of the job state"
+    )
 
 
 class QuarantineOptions(BaseModel):
@@ -91,8 +100,9 @@ class QuarantineOptions(BaseModel):
 
     after: int = Field(default=2, ge=0, le=100, description="engine failures before running alone; 0 = off")
     solo_attempts: int = Field(default=2, ge=1, le=10, description="failed runs alone before engine_crash")
-    key_prefix: str = Field(default="batchery:strikes", min_length=1, max_length=64,
-                            description="Redis key prefix of the strike counters")
+    key_prefix: str = Field(
+        default="batchery:strikes", min_length=1, max_length=64, description="Redis key prefix of the strike counters"
+    )
 
 
 class Settings(BaseSettings):
@@ -103,8 +113,9 @@ class Settings(BaseSettings):
     )
 
     # transport
-    broker_url: str = Field(default=DEFAULT_BROKER_URL,
-                            description="Redis URL: redis://:PASSWORD@host:6379/0, rediss:// for TLS")
+    broker_url: str = Field(
+        default=DEFAULT_BROKER_URL, description="Redis URL: redis://:PASSWORD@host:6379/0, rediss:// for TLS"
+    )
     result_backend: str | None = Field(default=None, description="results and batch jobs; unset -> the broker URL")
     queue: str | None = Field(default=None, description="the queue; unset -> batchery.<model name>")
     result_expires: int = Field(default=86400, ge=1, description="seconds results stay in the backend")
@@ -125,15 +136,21 @@ class Settings(BaseSettings):
     retry_backoff: float = Field(default=1.0, gt=0, description="first retry delay, seconds; doubles each time")
     retry_backoff_max: float = Field(default=60.0, gt=0, description="longest retry delay, seconds")
     visibility_timeout: float | None = Field(
-        default=None, gt=0,
-        description="unacked messages are redelivered after this; unset -> 2 x max_task_timeout + retry_backoff_max")
-    batch_wait: float = Field(default=0.1, ge=0, le=10, description="idle engine: at most this long to let a burst arrive")
+        default=None,
+        gt=0,
+        description="unacked messages are redelivered after this; unset -> 2 x max_task_timeout + retry_backoff_max",
+    )
+    batch_wait: float = Field(
+        default=0.1, ge=0, le=10, description="idle engine: at most this long to let a burst arrive"
+    )
     shutdown_grace: float = Field(default=30.0, ge=0, description="on SIGTERM, seconds in-flight work may finish")
 
     # supervision
     watchdog_timeout: float = Field(default=300.0, gt=0, description="work pending, no step for this long = failed")
     max_rebuilds: int = Field(default=3, ge=1, description="consecutive failed rebuilds before the worker gives up")
-    faults: str = Field(default="", description="fault injection for rehearsals (worker/service/faults.py); empty = none")
+    faults: str = Field(
+        default="", description="fault injection for rehearsals (worker/service/faults.py); empty = none"
+    )
 
     # ops
     health_host: str = Field(default="0.0.0.0", description="address of the health and metrics server")
@@ -151,18 +168,22 @@ class Settings(BaseSettings):
             self.queue = queue_for_model(self.model)
         self.log_level, self.log_format = self.log_level.upper(), self.log_format.lower()
         if self.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-            raise ValueError(f"BATCHERY_LOG_LEVEL must be DEBUG, INFO, WARNING, ERROR or CRITICAL, "
-                             f"got {self.log_level!r}")
+            raise ValueError(
+                f"BATCHERY_LOG_LEVEL must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {self.log_level!r}"
+            )
         if self.log_format not in ("text", "json"):
             raise ValueError(f"BATCHERY_LOG_FORMAT must be text or json, got {self.log_format!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"BATCHERY_DTYPE must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.engine.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"BATCHERY_ENGINE__ATTENTION_BACKEND must be one of {', '.join(ATTENTION_BACKENDS)}, "
-                             f"got {self.engine.attention_backend!r}")
+            raise ValueError(
+                f"BATCHERY_ENGINE__ATTENTION_BACKEND must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {self.engine.attention_backend!r}"
+            )
         if self.task_timeout > self.max_task_timeout:
             raise ValueError(
-                f"BATCHERY_TASK_TIMEOUT ({self.task_timeout}) exceeds BATCHERY_MAX_TASK_TIMEOUT ({self.max_task_timeout})"
+                f"BATCHERY_TASK_TIMEOUT ({self.task_timeout}) exceeds "
+                f"BATCHERY_MAX_TASK_TIMEOUT ({self.max_task_timeout})"
             )
         if self.visibility_timeout is None:
             self.visibility_timeout = 2 * self.max_task_timeout + self.retry_backoff_max
@@ -215,8 +236,10 @@ class Settings(BaseSettings):
 
 
 # -- the worker's command-line flags (``batchery worker`` and ``python -m batchery.worker``) -------------
-WORKER_DESCRIPTION = ("Run a worker: load the model, then consume its queue. Configured by BATCHERY_* variables; "
-                      "the flags below override them.")
+WORKER_DESCRIPTION = (
+    "Run a worker: load the model, then consume its queue. Configured by BATCHERY_* variables; "
+    "the flags below override them."
+)
 # flag, Settings field, type, help
 WORKER_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--model", "model", str, "model name, local HF directory or .gguf file (BATCHERY_MODEL)"),
@@ -241,8 +264,9 @@ def worker_overrides(args: argparse.Namespace) -> dict[str, object]:
 
 def worker_argv(overrides: dict[str, object]) -> list[str]:
     """The flags that ask for ``overrides`` again (to hand them to another process)."""
-    return [part for flag, dest, _typ, _help in WORKER_FLAGS if dest in overrides
-            for part in (flag, str(overrides[dest]))]
+    return [
+        part for flag, dest, _typ, _help in WORKER_FLAGS if dest in overrides for part in (flag, str(overrides[dest]))
+    ]
 
 
 # -- the configuration table (docs/operations.md) ------------------------------------------------------
@@ -261,15 +285,26 @@ def env_variables() -> list[tuple[str, str, str]]:
     nested options (``BATCHERY_ENGINE__BLOCK_SIZE``) included, in declaration order."""
     rows = []
     for name, field in Settings.model_fields.items():
-        nested = field.annotation if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel) \
-            else None
+        nested = (
+            field.annotation if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel) else None
+        )
         if nested is None:
-            rows.append((f"BATCHERY_{name.upper()}", _shown(field.get_default(call_default_factory=True)),
-                         field.description or ""))
+            rows.append(
+                (
+                    f"BATCHERY_{name.upper()}",
+                    _shown(field.get_default(call_default_factory=True)),
+                    field.description or "",
+                )
+            )
             continue
         for sub, f in nested.model_fields.items():
-            rows.append((f"BATCHERY_{name.upper()}__{sub.upper()}", _shown(f.get_default(call_default_factory=True)),
-                         f.description or ""))
+            rows.append(
+                (
+                    f"BATCHERY_{name.upper()}__{sub.upper()}",
+                    _shown(f.get_default(call_default_factory=True)),
+                    f.description or "",
+                )
+            )
     return rows
 
 

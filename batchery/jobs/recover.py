@@ -44,7 +44,7 @@ def held_lines(broker, queue: str, job_id: str) -> set[int]:
             continue
         if routing_key == queue and task_id.startswith(prefix):
             try:
-                lines.add(int(task_id[len(prefix):]))
+                lines.add(int(task_id[len(prefix) :]))
             except ValueError:
                 pass
     return lines
@@ -77,12 +77,16 @@ def requeue_lost(store, broker, job_id: str, queue: str, confirm_s: float = CONF
         return 0
     messages = store.pending_messages(job_id, lost)
     with broker.pipeline(transaction=False) as p:
-        for line, raw in messages.items():
+        for raw in messages.values():
             msg = json.loads(raw)
             msg["properties"]["delivery_tag"] = str(uuid.uuid4())
             p.lpush(queue_key(queue, msg["properties"].get("priority") or 0), json.dumps(msg))
         p.execute()
-    log.warning("batch job %s: the messages of %d lines were lost by the broker (a Redis restart or a worker "
-                "death between taking a message and recording it); queued them again: lines %s", job_id,
-                len(messages), ", ".join(map(str, list(messages)[:20])) + (" ..." if len(messages) > 20 else ""))
+    log.warning(
+        "batch job %s: the messages of %d lines were lost by the broker (a Redis restart or a worker "
+        "death between taking a message and recording it); queued them again: lines %s",
+        job_id,
+        len(messages),
+        ", ".join(map(str, list(messages)[:20])) + (" ..." if len(messages) > 20 else ""),
+    )
     return len(messages)

@@ -14,9 +14,9 @@ Every transition is one Lua script, so it is atomic against every other writer:
 - ``claim``: a worker may run a line only while the job is ``validating`` or ``in_progress`` and the
   line has no record yet; it takes a lease on the line.
 - ``write``: ``HSETNX`` of the record and, only if it was new, the counter increments, all in one
-  script (and the line leaves the ``pending`` ledger). A redelivered or retried request can never duplicate a line or a count. The last record
-  of an ``in_progress`` job moves it to ``finalizing``; ``finalize`` then makes it ``completed``
-  (and applies the job's TTL to all its keys).
+  script (and the line leaves the ``pending`` ledger). A redelivered or retried request can never
+  duplicate a line or a count. The last record of an ``in_progress`` job moves it to
+  ``finalizing``; ``finalize`` then makes it ``completed`` (and applies the job's TTL to all its keys).
 - ``end_submit``: the submitter's last word: the final total; ``validating`` -> ``in_progress``
   (or ``failed``, with a job-level error).
 - ``cancel``: -> ``cancelling``; ``cancelled`` once no line holds a lease (the last running line
@@ -74,7 +74,9 @@ end
 """
 
 # KEYS: job, results, running   ARGV: line, lease deadline, now
-_CLAIM = _PRELUDE + """
+_CLAIM = (
+    _PRELUDE
+    + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'gone' end
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 'done' end
@@ -84,10 +86,13 @@ redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
 inherit_ttl(KEYS[3], KEYS[1])
 return 'run'
 """
+)
 
 # KEYS: job, results, running, pending
 # ARGV: line, record, counter (completed|failed), prompt_tokens, completion_tokens, now, ttl
-_WRITE = _PRELUDE + """
+_WRITE = (
+    _PRELUDE
+    + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {0, 'gone'} end
 redis.call('HDEL', KEYS[3], ARGV[1])
@@ -108,9 +113,12 @@ elseif status == 'cancelling' and live_leases(KEYS[3], ARGV[6]) == 0 then
 end
 return {1, status}
 """
+)
 
 # KEYS: job, results, running   ARGV: line, now, ttl
-_RELEASE = _PRELUDE + """
+_RELEASE = (
+    _PRELUDE
+    + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'gone' end
 redis.call('HDEL', KEYS[3], ARGV[1])
@@ -120,9 +128,12 @@ if status == 'cancelling' and live_leases(KEYS[3], ARGV[2]) == 0 then
 end
 return status
 """
+)
 
 # KEYS: job, results, running   ARGV: now, ttl
-_CANCEL = _PRELUDE + """
+_CANCEL = (
+    _PRELUDE
+    + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'gone' end
 if status ~= 'validating' and status ~= 'in_progress' and status ~= 'cancelling' then return status end
@@ -133,9 +144,12 @@ if live_leases(KEYS[3], ARGV[1]) == 0 then
 end
 return 'cancelling'
 """
+)
 
 # KEYS: job, results, running   ARGV: total ('' keeps), max_line ('' keeps), now, ttl, errors JSON ('' = none)
-_END_SUBMIT = _PRELUDE + """
+_END_SUBMIT = (
+    _PRELUDE
+    + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'gone' end
 if ARGV[1] ~= '' then redis.call('HSET', KEYS[1], 'total', ARGV[1]) end
@@ -153,18 +167,31 @@ if num(KEYS[1], 'completed') + num(KEYS[1], 'failed') >= num(KEYS[1], 'total') t
 end
 return 'in_progress'
 """
+)
 
 # KEYS: job, results, running   ARGV: now, ttl
-_FINALIZE = _PRELUDE + """
+_FINALIZE = (
+    _PRELUDE
+    + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'gone' end
 if status ~= 'finalizing' then return status end
 finish(KEYS[1], KEYS[2], KEYS[3], 'completed', ARGV[1], ARGV[2])
 return 'completed'
 """
+)
 
-_FLOAT_FIELDS = ("created_at", "started_at", "in_progress_at", "finalizing_at", "completed_at", "failed_at",
-                 "cancelling_at", "cancelled_at", "expires_at")
+_FLOAT_FIELDS = (
+    "created_at",
+    "started_at",
+    "in_progress_at",
+    "finalizing_at",
+    "completed_at",
+    "failed_at",
+    "cancelling_at",
+    "cancelled_at",
+    "expires_at",
+)
 
 
 class JobNotFound(KeyError):
@@ -213,15 +240,36 @@ class JobStore:
         return f"{self.prefix}:index"
 
     # -- the submitter's side ----------------------------------------------------------------------
-    def create(self, job_id: str, *, queue: str, model: str | None, input_file: str | None = None,
-               metadata: dict[str, str] | None = None, timeout: float | None = None, priority: int = 0) -> None:
+    def create(
+        self,
+        job_id: str,
+        *,
+        queue: str,
+        model: str | None,
+        input_file: str | None = None,
+        metadata: dict[str, str] | None = None,
+        timeout: float | None = None,
+        priority: int = 0,
+    ) -> None:
         now = time.time()
         fields = {
-            "id": job_id, "status": "validating", "queue": queue, "model": model or "", "created_at": repr(now),
-            "submit_beat": repr(now), "total": 0, "completed": 0, "failed": 0, "prompt_tokens": 0,
-            "completion_tokens": 0, "max_line": 0, "metadata": json.dumps(metadata or {}),
-            "input_file": input_file or "", "timeout": "" if timeout is None else repr(float(timeout)),
-            "priority": int(priority), "expires_at": repr(now + self.ttl),
+            "id": job_id,
+            "status": "validating",
+            "queue": queue,
+            "model": model or "",
+            "created_at": repr(now),
+            "submit_beat": repr(now),
+            "total": 0,
+            "completed": 0,
+            "failed": 0,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "max_line": 0,
+            "metadata": json.dumps(metadata or {}),
+            "input_file": input_file or "",
+            "timeout": "" if timeout is None else repr(float(timeout)),
+            "priority": int(priority),
+            "expires_at": repr(now + self.ttl),
         }
         with self.r.pipeline(transaction=True) as p:
             p.hset(self.key(job_id), mapping=fields)
@@ -259,19 +307,38 @@ class JobStore:
         now = time.time()
         return {int(_s(k)) for k, v in self.r.hgetall(self.keys(job_id)[2]).items() if float(v) >= now}
 
-    def write_in(self, pipe, job_id: str, line: int, record: dict, failed: bool,
-                 prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+    def write_in(
+        self,
+        pipe,
+        job_id: str,
+        line: int,
+        record: dict,
+        failed: bool,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+    ) -> None:
         """``write`` inside a pipeline (the submitter's error records)."""
-        self._write(keys=self.keys(job_id), args=self._write_args(line, record, failed, prompt_tokens,
-                                                                  completion_tokens), client=pipe)
+        self._write(
+            keys=self.keys(job_id),
+            args=self._write_args(line, record, failed, prompt_tokens, completion_tokens),
+            client=pipe,
+        )
 
-    def end_submit(self, job_id: str, total: int | None, max_line: int | None,
-                   errors: list[dict] | None = None) -> str:
+    def end_submit(self, job_id: str, total: int | None, max_line: int | None, errors: list[dict] | None = None) -> str:
         """Close the submission: the final total, then ``in_progress`` (or ``failed`` with
         ``errors``). Returns the new status; finalizes at once if every line is already done."""
-        status = _s(self._end_submit(keys=self.keys(job_id), args=[
-            "" if total is None else int(total), "" if max_line is None else int(max_line), repr(time.time()),
-            self.ttl, json.dumps(errors) if errors else ""]))
+        status = _s(
+            self._end_submit(
+                keys=self.keys(job_id),
+                args=[
+                    "" if total is None else int(total),
+                    "" if max_line is None else int(max_line),
+                    repr(time.time()),
+                    self.ttl,
+                    json.dumps(errors) if errors else "",
+                ],
+            )
+        )
         if status == "finalizing":
             status = self.finalize(job_id)
         return status
@@ -283,12 +350,14 @@ class JobStore:
         now = time.time()
         return _s(self._claim(keys=self.keys(job_id), args=[_line_key(line), repr(now + lease_s), repr(now)]))
 
-    def write(self, job_id: str, line: int, record: dict, failed: bool, prompt_tokens: int = 0,
-              completion_tokens: int = 0) -> tuple[bool, str]:
+    def write(
+        self, job_id: str, line: int, record: dict, failed: bool, prompt_tokens: int = 0, completion_tokens: int = 0
+    ) -> tuple[bool, str]:
         """Store a line's record once: ``(is_new, status)``. Counters move only when it is new, in
         the same script. Finalizes the job when this was its last line."""
-        new, status = self._write(keys=self.keys(job_id), args=self._write_args(
-            line, record, failed, prompt_tokens, completion_tokens))
+        new, status = self._write(
+            keys=self.keys(job_id), args=self._write_args(line, record, failed, prompt_tokens, completion_tokens)
+        )
         status = _s(status)
         if status == "finalizing":  # this was the last line (or a retry of it whose reply was lost)
             status = self.finalize(job_id)
@@ -299,8 +368,15 @@ class JobStore:
         return _s(self._release(keys=self.keys(job_id), args=[_line_key(line), repr(time.time()), self.ttl]))
 
     def _write_args(self, line, record, failed, prompt_tokens, completion_tokens) -> list:
-        return [_line_key(line), json.dumps(record, separators=(",", ":")), "failed" if failed else "completed",
-                int(prompt_tokens), int(completion_tokens), repr(time.time()), self.ttl]
+        return [
+            _line_key(line),
+            json.dumps(record, separators=(",", ":")),
+            "failed" if failed else "completed",
+            int(prompt_tokens),
+            int(completion_tokens),
+            repr(time.time()),
+            self.ttl,
+        ]
 
     # -- anyone -----------------------------------------------------------------------------------
     def finalize(self, job_id: str) -> str:
@@ -338,10 +414,19 @@ class JobStore:
             return self.cancel(job_id) != "cancelling"
         beat = float(_s(raw.get(b"submit_beat", b"0")) or 0)
         if job.status == "validating" and now - beat > SUBMIT_STALE_S:
-            self.end_submit(job_id, None, None, [{
-                "code": "submission_interrupted",
-                "message": f"the submitter stopped after {job.request_counts.total} requests "
-                           f"(no sign of it for {now - beat:.0f} s)", "line": None}])
+            self.end_submit(
+                job_id,
+                None,
+                None,
+                [
+                    {
+                        "code": "submission_interrupted",
+                        "message": f"the submitter stopped after {job.request_counts.total} requests "
+                        f"(no sign of it for {now - beat:.0f} s)",
+                        "line": None,
+                    }
+                ],
+            )
             return True
         return False
 
@@ -350,11 +435,17 @@ class JobStore:
         d = {_s(k): _s(v) for k, v in raw.items()}
         num = lambda f: int(d.get(f) or 0)  # noqa: E731
         out = {
-            "id": d["id"], "status": d["status"], "queue": d.get("queue", ""), "model": d.get("model") or None,
+            "id": d["id"],
+            "status": d["status"],
+            "queue": d.get("queue", ""),
+            "model": d.get("model") or None,
             "input_file": d.get("input_file") or None,
             "request_counts": {"total": num("total"), "completed": num("completed"), "failed": num("failed")},
-            "usage": {"prompt_tokens": num("prompt_tokens"), "completion_tokens": num("completion_tokens"),
-                      "total_tokens": num("prompt_tokens") + num("completion_tokens")},
+            "usage": {
+                "prompt_tokens": num("prompt_tokens"),
+                "completion_tokens": num("completion_tokens"),
+                "total_tokens": num("prompt_tokens") + num("completion_tokens"),
+            },
             "metadata": json.loads(d.get("metadata") or "{}"),
             "errors": json.loads(d.get("errors") or "[]"),
             "timeout": float(d["timeout"]) if d.get("timeout") else None,
@@ -433,5 +524,12 @@ class JobWatch:
         return hit[1] is None or hit[1] in STOPPED_STATUSES
 
 
-__all__ = ["JobStore", "JobWatch", "JobNotFound", "new_job_id", "ACTIVE_STATUSES",
-           "STOPPED_STATUSES", "TERMINAL_STATUSES"]
+__all__ = [
+    "JobStore",
+    "JobWatch",
+    "JobNotFound",
+    "new_job_id",
+    "ACTIVE_STATUSES",
+    "STOPPED_STATUSES",
+    "TERMINAL_STATUSES",
+]

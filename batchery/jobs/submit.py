@@ -18,13 +18,13 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from batchery.contract.batch import BatchLine, LineError, line_error_record, parse_line, parse_object, parse_stream
-from batchery.contract.schemas import check_timeout
-from batchery.contract.names import BATCH_LINE_TASK, ENQUEUED_AT_HEADER
-from batchery.jobs.store import STOPPED_STATUSES, JobStore, new_job_id
 from batchery.broker.connection import is_redis_url, redis_from_url
 from batchery.broker.publish import MessageBuilder
+from batchery.contract.batch import BatchLine, LineError, line_error_record, parse_line, parse_object, parse_stream
 from batchery.contract.errors import InvalidRequest
+from batchery.contract.names import BATCH_LINE_TASK, ENQUEUED_AT_HEADER
+from batchery.contract.schemas import check_timeout
+from batchery.jobs.store import STOPPED_STATUSES, JobStore, new_job_id
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
@@ -43,10 +43,17 @@ def check_options(timeout, priority, metadata) -> tuple[float | None, int, dict[
     if len(metadata) > MAX_METADATA_PAIRS:
         raise InvalidRequest(f"at most {MAX_METADATA_PAIRS} metadata pairs, got {len(metadata)}")
     for k, v in metadata.items():
-        if not isinstance(k, str) or not isinstance(v, str) or not k or len(k) > MAX_METADATA_KEY \
-                or len(v) > MAX_METADATA_VALUE:
-            raise InvalidRequest(f"metadata keys must be strings of 1-{MAX_METADATA_KEY} characters and values "
-                                 f"strings of at most {MAX_METADATA_VALUE}; got {k!r}: {v!r}"[:300])
+        if (
+            not isinstance(k, str)
+            or not isinstance(v, str)
+            or not k
+            or len(k) > MAX_METADATA_KEY
+            or len(v) > MAX_METADATA_VALUE
+        ):
+            raise InvalidRequest(
+                f"metadata keys must be strings of 1-{MAX_METADATA_KEY} characters and values "
+                f"strings of at most {MAX_METADATA_VALUE}; got {k!r}: {v!r}"[:300]
+            )
     return (None if timeout is None else float(timeout)), priority, metadata
 
 
@@ -86,26 +93,39 @@ class Submitter:
         path = Path(source) if isinstance(source, (str, os.PathLike)) else None
         if path is not None and not path.is_file():
             raise InvalidRequest(f"no such file: {path}")
-        self.store.create(job_id, queue=self.settings.queue, model=self.settings.model,
-                          input_file=str(path) if path else None, metadata=metadata, timeout=timeout,
-                          priority=priority)
+        self.store.create(
+            job_id,
+            queue=self.settings.queue,
+            model=self.settings.model,
+            input_file=str(path) if path else None,
+            metadata=metadata,
+            timeout=timeout,
+            priority=priority,
+        )
         self.job_id = job_id
-        self.builder = MessageBuilder(self.app, BATCH_LINE_TASK, self.settings.queue, priority) \
-            if self.broker is not None else None
+        self.builder = (
+            MessageBuilder(self.app, BATCH_LINE_TASK, self.settings.queue, priority)
+            if self.broker is not None
+            else None
+        )
         self.kwargs = {"timeout": timeout, "priority": priority}
         self.total = self.max_line = 0
         try:
             if path is not None and exceeds_max_lines(path, limits.max_lines):
-                return self._fail("too_many_lines", f"{path} has more than {limits.max_lines} request lines "
-                                                    "(BATCHERY_BATCH__MAX_LINES)")
+                return self._fail(
+                    "too_many_lines",
+                    f"{path} has more than {limits.max_lines} request lines (BATCHERY_BATCH__MAX_LINES)",
+                )
             if path is not None:
                 with open(path, "rb") as f:
                     stopped = self._submit(parse_stream(f, limits.max_line_bytes), limits.max_lines)
             else:
                 stopped = self._submit(self._parse_items(source, limits.max_line_bytes), limits.max_lines)
         except BaseException as exc:
-            self._fail("submission_interrupted", f"the submission stopped after {self.total} request lines: "
-                                                 f"{type(exc).__name__}: {exc}"[:500])
+            self._fail(
+                "submission_interrupted",
+                f"the submission stopped after {self.total} request lines: {type(exc).__name__}: {exc}"[:500],
+            )
             raise
         if stopped:
             return job_id
@@ -120,8 +140,9 @@ class Submitter:
         seen: set[str] = set()
         for n, item in enumerate(items, 1):
             if isinstance(item, (str, bytes, bytearray)):
-                parsed = parse_line(bytes(item) if isinstance(item, bytearray) else item, n, seen,
-                                    max_line_bytes=max_line_bytes)
+                parsed = parse_line(
+                    bytes(item) if isinstance(item, bytearray) else item, n, seen, max_line_bytes=max_line_bytes
+                )
                 if parsed is None:
                     continue
             else:
@@ -136,8 +157,9 @@ class Submitter:
             if self.total + len(messages) + len(errors) >= max_lines:
                 if self._flush(messages, errors):
                     return True
-                self._fail("too_many_lines", f"the input has more than {max_lines} request lines "
-                                             "(BATCHERY_BATCH__MAX_LINES)")
+                self._fail(
+                    "too_many_lines", f"the input has more than {max_lines} request lines (BATCHERY_BATCH__MAX_LINES)"
+                )
                 return True
             if isinstance(item, BatchLine):
                 messages.append((item.line, self._message(item)))
@@ -151,8 +173,14 @@ class Submitter:
         return self._flush(messages, errors)
 
     def _message(self, item: BatchLine):
-        kwargs = {"job": self.job_id, "line": item.line, "custom_id": item.custom_id, "url": item.url,
-                  "body": item.body, **self.kwargs}
+        kwargs = {
+            "job": self.job_id,
+            "line": item.line,
+            "custom_id": item.custom_id,
+            "url": item.url,
+            "body": item.body,
+            **self.kwargs,
+        }
         task_id = f"{self.job_id}-{item.line}"
         if self.builder is None:
             return task_id, kwargs
@@ -186,14 +214,22 @@ class Submitter:
     def _send_tasks(self, messages: list) -> None:
         with self.app.producer_or_acquire() as producer, producer.batch(self.chunk_size):
             for task_id, kwargs in messages:
-                self.app.send_task(BATCH_LINE_TASK, kwargs=kwargs, task_id=task_id, queue=self.settings.queue,
-                                   priority=self.kwargs["priority"], ignore_result=True, producer=producer,
-                                   headers={ENQUEUED_AT_HEADER: time.time()})
+                self.app.send_task(
+                    BATCH_LINE_TASK,
+                    kwargs=kwargs,
+                    task_id=task_id,
+                    queue=self.settings.queue,
+                    priority=self.kwargs["priority"],
+                    ignore_result=True,
+                    producer=producer,
+                    headers={ENQUEUED_AT_HEADER: time.time()},
+                )
 
     def _fail(self, code: str, message: str) -> str:
         try:
-            self.store.end_submit(self.job_id, self.total, self.max_line,
-                                  [{"code": code, "message": message, "line": None}])
+            self.store.end_submit(
+                self.job_id, self.total, self.max_line, [{"code": code, "message": message, "line": None}]
+            )
         except Exception:  # noqa: BLE001 - reporting the failure must not hide the original error
             pass
         return self.job_id

@@ -22,10 +22,18 @@ class _AttentionModule(Protocol):
     layer_idx: int  # set on every attention module by transformers: which layer's KV pair to use
 
 
-def paged_attention_forward(module: _AttentionModule, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                            sliding_window: int | None = None, softcap: float | None = None,
-                            **kwargs: Any) -> tuple[torch.Tensor, None]:
+def paged_attention_forward(
+    module: _AttentionModule,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature; ``attention_mask`` and ``dropout`` are unused
     (the block tables say what each query sees; inference has no dropout). Returns the
     [1, T, H, D] output and no attention weights."""

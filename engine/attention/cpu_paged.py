@@ -24,12 +24,20 @@ def supports_dtype(dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.bfloat16)
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, sliding_window: int | None,
-                 softcap: float | None) -> torch.Tensor:
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
     """q: [B, H, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks] long;
     context_lens [B] long. Returns [B, H, D]."""
     kernels = load()
     assert kernels is not None  # the "cpu" backend is picked only once they loaded
-    return kernels.paged_decode(q, k_cache, v_cache, block_tables, context_lens, float(scale),
-                                int(sliding_window or 0), float(softcap or 0.0))
+    return kernels.paged_decode(
+        q, k_cache, v_cache, block_tables, context_lens, float(scale), int(sliding_window or 0), float(softcap or 0.0)
+    )

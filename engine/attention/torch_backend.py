@@ -14,19 +14,28 @@ from batchery.engine.attention import cpu_paged
 from batchery.engine.attention.metadata import AttentionMetadata, PrefillSeq
 
 
-def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
+def store_kvcache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     # key/value: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-            softcap: float | None, is_causal: bool = False) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    is_causal: bool = False,
+) -> torch.Tensor:
     """q: [B, H, Q, D]; k, v: [B, Hkv, C, D]; mask: bool [B, 1, Q, C] (True = attend) or None."""
     if not softcap:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal, enable_gqa=q.shape[1] != k.shape[1]
+        )
     b, h, nq, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(b, hkv, (h // hkv) * nq, d)  # query heads grouped by their kv head
@@ -77,9 +86,17 @@ def _prefill_mask(md: AttentionMetadata, p: PrefillSeq, sliding_window: int | No
     return mask
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, md: AttentionMetadata, scale: float,
-                    sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (already stored in the cache). Returns [T, H, D]."""
     out = torch.empty_like(q)
     nd = md.num_decode_tokens

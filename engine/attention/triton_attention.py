@@ -50,12 +50,26 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 
 @triton.jit
 def _store_kvcache_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see above)
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_k_tok, stride_k_head, stride_k_dim,
-    stride_v_tok, stride_v_head, stride_v_dim,
-    stride_c_blk, stride_c_off, stride_c_head, stride_c_dim,
-    num_kv_heads, head_dim, block_size,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_k_tok,
+    stride_k_head,
+    stride_k_dim,
+    stride_v_tok,
+    stride_v_head,
+    stride_v_dim,
+    stride_c_blk,
+    stride_c_off,
+    stride_c_head,
+    stride_c_dim,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
@@ -89,8 +103,16 @@ def _softcap(s, softcap):  # type: ignore[no-untyped-def]  # Triton device funct
 
 
 @triton.jit
-def _gather_kv_offsets(block_tables_ptr, bt_row, k_pos, n_mask, block_size,  # type: ignore[no-untyped-def]
-                       stride_c_blk, stride_c_off, kv_head_off):
+def _gather_kv_offsets(  # type: ignore[no-untyped-def]
+    block_tables_ptr,
+    bt_row,
+    k_pos,
+    n_mask,
+    block_size,
+    stride_c_blk,
+    stride_c_off,
+    kv_head_off,
+):
     """Element offsets of the cache rows holding key positions ``k_pos`` ([BLOCK_N])."""
     blk = tl.load(block_tables_ptr + bt_row + k_pos // block_size, mask=n_mask, other=0)
     return blk.to(tl.int64) * stride_c_blk + (k_pos % block_size).to(tl.int64) * stride_c_off + kv_head_off
@@ -98,16 +120,41 @@ def _gather_kv_offsets(block_tables_ptr, bt_row, k_pos, n_mask, block_size,  # t
 
 @triton.jit
 def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see above)
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_m_ptr, part_l_ptr,
-    scale, softcap, sliding_window,
-    stride_q_seq, stride_q_head, stride_q_dim,
-    stride_o_seq, stride_o_head, stride_o_split, stride_o_dim,
-    stride_c_blk, stride_c_off, stride_c_head, stride_c_dim,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    scale,
+    softcap,
+    sliding_window,
+    stride_q_seq,
+    stride_q_head,
+    stride_q_dim,
+    stride_o_seq,
+    stride_o_head,
+    stride_o_split,
+    stride_o_dim,
+    stride_c_blk,
+    stride_c_off,
+    stride_c_head,
+    stride_c_dim,
     stride_bt_seq,
-    num_queries_per_kv, num_heads, num_splits, head_dim, block_size, partition_size,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, USE_SPLIT: tl.constexpr,
+    num_queries_per_kv,
+    num_heads,
+    num_splits,
+    head_dim,
+    block_size,
+    partition_size,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    USE_SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     # One program per (sequence, kv head[, context partition]); all query heads that share
@@ -126,7 +173,8 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see 
 
     q = tl.load(
         q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :] * stride_q_dim,
-        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )  # [BLOCK_G, BLOCK_D]
 
     lo = 0
@@ -147,11 +195,13 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see 
     for start_n in range(lo, hi, BLOCK_N):
         k_pos = start_n + offs_n
         n_mask = k_pos < hi
-        row_offs = _gather_kv_offsets(block_tables_ptr, bt_row, k_pos, n_mask, block_size,
-                                      stride_c_blk, stride_c_off, kv_head_off)
+        row_offs = _gather_kv_offsets(
+            block_tables_ptr, bt_row, k_pos, n_mask, block_size, stride_c_blk, stride_c_off, kv_head_off
+        )
         k = tl.load(
             k_cache_ptr + row_offs[None, :] + offs_d[:, None] * stride_c_dim,
-            mask=n_mask[None, :] & d_mask[:, None], other=0.0,
+            mask=n_mask[None, :] & d_mask[:, None],
+            other=0.0,
         )  # [BLOCK_D, BLOCK_N]
         if IEEE:
             s = tl.dot(q, k, input_precision="ieee")
@@ -170,7 +220,8 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see 
 
         v = tl.load(
             v_cache_ptr + row_offs[:, None] + offs_d[None, :] * stride_c_dim,
-            mask=n_mask[:, None] & d_mask[None, :], other=0.0,
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0.0,
         )  # [BLOCK_N, BLOCK_D]
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -193,11 +244,22 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see 
 
 @triton.jit
 def _decode_reduce_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see above)
-    part_out_ptr, part_m_ptr, part_l_ptr, out_ptr,
-    stride_p_seq, stride_p_head, stride_p_split, stride_p_dim,
-    stride_o_seq, stride_o_head, stride_o_dim,
-    num_heads, num_splits, head_dim,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    out_ptr,
+    stride_p_seq,
+    stride_p_head,
+    stride_p_split,
+    stride_p_dim,
+    stride_o_seq,
+    stride_o_head,
+    stride_o_dim,
+    num_heads,
+    num_splits,
+    head_dim,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Merges per-partition softmax results (flash-decoding) into the final output."""
     seq = tl.program_id(0).to(tl.int64)
@@ -212,28 +274,55 @@ def _decode_reduce_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see
     l_part = tl.load(part_l_ptr + stat_offs, mask=s_mask, other=0.0)
     w = tl.exp2(m - tl.max(m, 0)) * l_part  # [BLOCK_S]; empty partitions weigh 0
     o = tl.load(
-        part_out_ptr + seq * stride_p_seq + head * stride_p_head
-        + offs_s[:, None] * stride_p_split + offs_d[None, :] * stride_p_dim,
-        mask=s_mask[:, None] & d_mask[None, :], other=0.0,
+        part_out_ptr
+        + seq * stride_p_seq
+        + head * stride_p_head
+        + offs_s[:, None] * stride_p_split
+        + offs_d[None, :] * stride_p_dim,
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )  # [BLOCK_S, BLOCK_D]
     total = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + offs_d * stride_o_dim,
-             out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(
+        out_ptr + seq * stride_o_seq + head * stride_o_head + offs_d * stride_o_dim,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
 
 
 @triton.jit
 def _paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see above)
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    cu_seqlens_q_ptr,
+    context_lens_ptr,
     out_ptr,
-    scale, softcap, sliding_window,
-    stride_q_tok, stride_q_head, stride_q_dim,
-    stride_o_tok, stride_o_head, stride_o_dim,
-    stride_c_blk, stride_c_off, stride_c_head, stride_c_dim,
+    scale,
+    softcap,
+    sliding_window,
+    stride_q_tok,
+    stride_q_head,
+    stride_q_dim,
+    stride_o_tok,
+    stride_o_head,
+    stride_o_dim,
+    stride_c_blk,
+    stride_c_off,
+    stride_c_head,
+    stride_c_dim,
     stride_bt_seq,
-    num_queries_per_kv, head_dim, block_size,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    num_queries_per_kv,
+    head_dim,
+    block_size,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     # One program per (query tile, sequence, query head).
     m_blk = tl.program_id(0)
@@ -255,7 +344,8 @@ def _paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see
     q_rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(
         q_ptr + q_rows[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :] * stride_q_dim,
-        mask=m_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )  # [BLOCK_M, BLOCK_D]
 
     # Tiles past the end of this sequence's queries get an empty key range.
@@ -274,11 +364,13 @@ def _paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see
     for start_n in range(lo, hi, BLOCK_N):
         k_pos = start_n + offs_n
         n_mask = k_pos < hi
-        row_offs = _gather_kv_offsets(block_tables_ptr, bt_row, k_pos, n_mask, block_size,
-                                      stride_c_blk, stride_c_off, kv_head_off)
+        row_offs = _gather_kv_offsets(
+            block_tables_ptr, bt_row, k_pos, n_mask, block_size, stride_c_blk, stride_c_off, kv_head_off
+        )
         k = tl.load(
             k_cache_ptr + row_offs[None, :] + offs_d[:, None] * stride_c_dim,
-            mask=n_mask[None, :] & d_mask[:, None], other=0.0,
+            mask=n_mask[None, :] & d_mask[:, None],
+            other=0.0,
         )  # [BLOCK_D, BLOCK_N]
         if IEEE:
             s = tl.dot(q, k, input_precision="ieee")
@@ -300,7 +392,8 @@ def _paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see
 
         v = tl.load(
             v_cache_ptr + row_offs[:, None] + offs_d[None, :] * stride_c_dim,
-            mask=n_mask[:, None] & d_mask[None, :], other=0.0,
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0.0,
         )  # [BLOCK_N, BLOCK_D]
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -311,7 +404,8 @@ def _paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + q_rows[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :] * stride_o_dim,
-        out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
     )
 
 
@@ -333,16 +427,22 @@ def _check_runnable(t: torch.Tensor) -> None:
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.dim() != 4:
-        raise ValueError("k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
-                         f"got {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k_cache.shape)}"
+        )
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         raise ValueError("k_cache and v_cache must have the same shape and dtype")
     if v_cache.stride() != k_cache.stride():
         raise ValueError("k_cache and v_cache must have the same strides")
 
 
-def _check_attention_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          block_tables: torch.Tensor, context_lens: torch.Tensor) -> int:
+def _check_attention_args(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> int:
     """Validates shared arguments and returns num_queries_per_kv."""
     _check_cache(k_cache, v_cache)
     if query.dim() != 3:
@@ -408,20 +508,22 @@ def _decode_num_splits(query: torch.Tensor, num_kv_heads: int, max_context: int)
     return max(1, min(_MAX_DECODE_SPLITS, by_length, triton.cdiv(target, programs)))
 
 
-def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kvcache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Writes ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the paged cache.
 
     ``slot_mapping`` is ``[num_tokens]`` (int64); a slot of -1 skips that token. In place.
     """
     _check_cache(k_cache, v_cache)
     if key.dim() != 3 or value.shape != key.shape:
-        raise ValueError(f"key and value must both be [num_tokens, num_kv_heads, head_dim], got "
-                         f"{tuple(key.shape)} and {tuple(value.shape)}")
+        raise ValueError(
+            f"key and value must both be [num_tokens, num_kv_heads, head_dim], got "
+            f"{tuple(key.shape)} and {tuple(value.shape)}"
+        )
     num_tokens, num_kv_heads, head_dim = key.shape
     if (num_kv_heads, head_dim) != tuple(k_cache.shape[2:]):
-        raise ValueError(f"key heads/dim {(num_kv_heads, head_dim)} do not match "
-                         f"cache {tuple(k_cache.shape[2:])}")
+        raise ValueError(f"key heads/dim {(num_kv_heads, head_dim)} do not match cache {tuple(k_cache.shape[2:])}")
     if key.dtype != k_cache.dtype or value.dtype != k_cache.dtype:
         raise ValueError(f"key/value dtype must match cache dtype {k_cache.dtype}")
     if slot_mapping.shape != (num_tokens,):
@@ -430,18 +532,33 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         return
     _check_runnable(key)
     _store_kvcache_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        *key.stride(), *value.stride(), *k_cache.stride(),
-        num_kv_heads, head_dim, k_cache.shape[1],
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        *key.stride(),
+        *value.stride(),
+        *k_cache.stride(),
+        num_kv_heads,
+        head_dim,
+        k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
     )
 
 
-def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           sliding_window: int | None = None, softcap: float | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
     """One new query token per sequence against its cached context.
 
     ``query`` is ``[num_seqs, num_heads, head_dim]``; sequence ``i`` has ``context_lens[i]``
@@ -473,8 +590,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     use_split = num_splits > 1
 
     if use_split:
-        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim,
-                               dtype=torch.float32, device=query.device)
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
         part_m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
         part_l = torch.empty_like(part_m)
         dst, dst_strides = part_out, part_out.stride()
@@ -484,35 +600,66 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         dst_strides = (out.stride(0), out.stride(1), 0, out.stride(2))
 
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, context_lens,
-        dst, part_m, part_l,
-        float(scale), cap, window,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        dst,
+        part_m,
+        part_l,
+        float(scale),
+        cap,
+        window,
         *query.stride(),
         *dst_strides,
         *k_cache.stride(),
         block_tables.stride(0),
-        num_queries_per_kv, num_heads, num_splits, head_dim, block_size, partition_size,
-        BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
-        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        USE_SPLIT=use_split, IEEE=query.dtype == torch.float32,
+        num_queries_per_kv,
+        num_heads,
+        num_splits,
+        head_dim,
+        block_size,
+        partition_size,
+        BLOCK_G=block_g,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None,
+        USE_SPLIT=use_split,
+        IEEE=query.dtype == torch.float32,
         num_warps=num_warps,
     )
     if use_split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_out, part_m, part_l, out,
-            *part_out.stride(), *out.stride(),
-            num_heads, num_splits, head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            part_out,
+            part_m,
+            part_l,
+            out,
+            *part_out.stride(),
+            *out.stride(),
+            num_heads,
+            num_splits,
+            head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
             num_warps=4,
         )
     return out
 
 
-def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                            context_lens: torch.Tensor, scale: float,
-                            sliding_window: int | None = None, softcap: float | None = None,
-                            max_seqlen_q: int | None = None) -> torch.Tensor:
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    max_seqlen_q: int | None = None,
+) -> torch.Tensor:
     """Causal varlen prefill over a paged cache that may hold a cached prefix.
 
     ``query`` is ``[num_tokens, num_heads, head_dim]`` packed by ``cu_seqlens_q``
@@ -541,16 +688,28 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     block_m = min(block_m, max(16, triton.next_power_of_2(max_seqlen_q)))
     grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, num_heads)
     _paged_prefill_kernel[grid](
-        query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
         out,
-        float(scale), cap, window,
+        float(scale),
+        cap,
+        window,
         *query.stride(),
         *out.stride(),
         *k_cache.stride(),
         block_tables.stride(0),
-        num_queries_per_kv, head_dim, k_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
+        num_queries_per_kv,
+        head_dim,
+        k_cache.shape[1],
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None,
         IEEE=query.dtype == torch.float32,
         num_warps=num_warps,
     )
@@ -570,8 +729,15 @@ def _ref_gather(cache: torch.Tensor, block_table: torch.Tensor, context_len: int
     return cache[blocks, pos % block_size]
 
 
-def _ref_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+def _ref_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
     """q ``[n_q, num_heads, d]``, k/v ``[n_k, num_kv_heads, d]``; returns float32 ``[n_q, num_heads, d]``."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
@@ -588,10 +754,16 @@ def _ref_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def ref_paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                               sliding_window: int | None = None,
-                               softcap: float | None = None) -> torch.Tensor:
+def ref_paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Dense per-sequence reference for :func:`paged_decode_attention`."""
     out = torch.zeros_like(query)
     for i, ctx in enumerate(context_lens.tolist()):
@@ -604,11 +776,17 @@ def ref_paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cac
     return out
 
 
-def ref_paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                context_lens: torch.Tensor, scale: float,
-                                sliding_window: int | None = None,
-                                softcap: float | None = None) -> torch.Tensor:
+def ref_paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Dense per-sequence reference for :func:`paged_prefill_attention`."""
     out = torch.zeros_like(query)
     cu = cu_seqlens_q.tolist()
@@ -619,6 +797,5 @@ def ref_paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_ca
         k = _ref_gather(k_cache, block_tables[i], ctx)
         v = _ref_gather(v_cache, block_tables[i], ctx)
         q_pos = torch.arange(ctx - (end - start), ctx, device=query.device)
-        out[start:end] = _ref_attend(query[start:end], k, v, q_pos, scale, sliding_window,
-                                     softcap).to(query.dtype)
+        out[start:end] = _ref_attend(query[start:end], k, v, q_pos, scale, sliding_window, softcap).to(query.dtype)
     return out

@@ -27,14 +27,23 @@ def add_metadata(md: AttentionMetadata, prefills: list[PackedPrefill], device: t
     width = max(len(pf.block_table) for pf in prefills)
     md.prefill_cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=device)
     md.prefill_context_lens = torch.tensor([pf.context_len for pf in prefills], dtype=torch.int32, device=device)
-    md.prefill_block_tables = torch.tensor([pf.block_table + [0] * (width - len(pf.block_table)) for pf in prefills],
-                                           dtype=torch.int32, device=device)
+    md.prefill_block_tables = torch.tensor(
+        [pf.block_table + [0] * (width - len(pf.block_table)) for pf in prefills], dtype=torch.int32, device=device
+    )
     md.prefill_max_q = max(pf.q_len for pf in prefills)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, md: AttentionMetadata, scale: float,
-                    sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D]. Stores K/V, returns [T, H, D]."""
     store_kvcache(k, v, k_cache, v_cache, md.slot_mapping)
     nd = md.num_decode_tokens
@@ -47,7 +56,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         assert bt is not None and lens is not None
         out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, bt, lens, scale, sliding_window, softcap)
     assert md.prefill_block_tables is not None and md.prefill_context_lens is not None  # set by add_metadata
-    out[nd:] = paged_prefill_attention(q[nd:], k_cache, v_cache, md.prefill_block_tables,
-                                       md.prefill_cu_seqlens_q, md.prefill_context_lens, scale,
-                                       sliding_window, softcap, max_seqlen_q=md.prefill_max_q)
+    out[nd:] = paged_prefill_attention(
+        q[nd:],
+        k_cache,
+        v_cache,
+        md.prefill_block_tables,
+        md.prefill_cu_seqlens_q,
+        md.prefill_context_lens,
+        scale,
+        sliding_window,
+        softcap,
+        max_seqlen_q=md.prefill_max_q,
+    )
     return out

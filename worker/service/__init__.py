@@ -14,8 +14,8 @@
 Imports only the engine and the contract (never the Celery worker above it). Importing this
 package does not import torch: the engine is imported when the first engine is built."""
 
-from batchery.worker.service.api import EngineService
 from batchery.contract.generation import GenerationRequest, GenerationResult
+from batchery.worker.service.api import EngineService
 from batchery.worker.service.state import EngineState
 
 __all__ = ["EngineService", "EngineState", "GenerationRequest", "GenerationResult"]

@@ -20,8 +20,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
 from batchery.contract.errors import DeadlineExceeded, EngineUnavailable, WorkerShuttingDown
-from batchery.worker.service.faults import Fault
 from batchery.contract.generation import GenerationRequest, GenerationResult
+from batchery.worker.service.faults import Fault
 from batchery.worker.service.intake import Pending
 from batchery.worker.service.shared import SHUTTING_DOWN, AbortOp, AddOp, ServiceOptions, Shared, fail
 from batchery.worker.service.state import EngineState
@@ -52,9 +52,14 @@ class EngineService:
         solo_attempts: int = 2,
     ) -> None:
         self.config = config
-        self.options = ServiceOptions(watchdog_timeout=watchdog_timeout, max_rebuilds=max_rebuilds,
-                                      faults=tuple(faults or ()), rebuild_backoff=rebuild_backoff,
-                                      batch_wait=batch_wait, solo_attempts=max(1, int(solo_attempts)))
+        self.options = ServiceOptions(
+            watchdog_timeout=watchdog_timeout,
+            max_rebuilds=max_rebuilds,
+            faults=tuple(faults or ()),
+            rebuild_backoff=rebuild_backoff,
+            batch_wait=batch_wait,
+            solo_attempts=max(1, int(solo_attempts)),
+        )
         self._shared = Shared(config, self.options)
         self._supervisor = Supervisor(self._shared, on_fatal)
         self._ids = itertools.count()

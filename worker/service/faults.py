@@ -95,8 +95,10 @@ class Poison(Fault):
     def before_step(self, ctx: StepContext) -> None:
         for seq in ctx.seqs:
             if self.text in ctx.text_of(seq):
-                raise InjectedFault(f"injected fault {self.spec!r}: engine step {ctx.step} holds a poisoned "
-                                    f"request ({len(ctx.seqs)} in the batch)")
+                raise InjectedFault(
+                    f"injected fault {self.spec!r}: engine step {ctx.step} holds a poisoned "
+                    f"request ({len(ctx.seqs)} in the batch)"
+                )
 
 
 @dataclass
@@ -110,8 +112,9 @@ class OutOfMemory(Fault):
             self.fired = True
             import torch  # only a worker process (which has the engine loaded) gets here
 
-            raise torch.OutOfMemoryError(f"injected fault {self.spec!r}: engine step {ctx.step} ran out of "
-                                         f"memory ({len(ctx.seqs)} sequences)")
+            raise torch.OutOfMemoryError(
+                f"injected fault {self.spec!r}: engine step {ctx.step} ran out of memory ({len(ctx.seqs)} sequences)"
+            )
 
 
 @dataclass

@@ -1,13 +1,13 @@
-"""Request intake: what a task asks for (``GenerationRequest``) and what it gets back
-(``GenerationResult``), both defined in the contract (``batchery.contract.generation``); the service's record of a request in flight (``Pending``), and turning a
-request into engine input (token ids and ``SamplingParams``)."""
+"""Request intake: the service's record of a request in flight (``Pending``), and turning a request
+(``GenerationRequest``, defined with ``GenerationResult`` in ``batchery.contract.generation``) into
+engine input (token ids and ``SamplingParams``)."""
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from batchery.contract.errors import ContextLengthExceeded, InvalidRequest
 from batchery.contract.generation import GenerationRequest, GenerationResult, LogprobEntry

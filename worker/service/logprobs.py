@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from batchery.contract.generation import LogprobEntry, TopLogprob
+from batchery.contract.generation import LogprobEntry
 
 TOKEN_CACHE_MAX = 1 << 18  # token texts kept; a vocabulary is smaller, so in practice all of them
 
@@ -39,11 +39,15 @@ class LogprobRenderer:
         out: list[LogprobEntry] = []
         for e in entries:
             tid = int(e["token_id"])
-            out.append({
-                "token": self.token(tokenizer, tid),
-                "token_id": tid,
-                "logprob": float(e["logprob"]),
-                "top": [{"token": self.token(tokenizer, int(i)), "token_id": int(i), "logprob": float(lp)}
-                        for i, lp in (e.get("top") or [])],
-            })
+            out.append(
+                {
+                    "token": self.token(tokenizer, tid),
+                    "token_id": tid,
+                    "logprob": float(e["logprob"]),
+                    "top": [
+                        {"token": self.token(tokenizer, int(i)), "token_id": int(i), "logprob": float(lp)}
+                        for i, lp in (e.get("top") or [])
+                    ],
+                }
+            )
         return out

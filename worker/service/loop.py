@@ -35,8 +35,9 @@ class EngineLoop:
     """Drives one engine (generation ``gen``) until it is abandoned, the service stops, or a step
     raises. ``run`` is the thread body; the other methods run on that thread."""
 
-    def __init__(self, shared: Shared, gen: int, engine: LLMEngine, abandoned: threading.Event,
-                 canary: bool = False) -> None:
+    def __init__(
+        self, shared: Shared, gen: int, engine: LLMEngine, abandoned: threading.Event, canary: bool = False
+    ) -> None:
         self.shared = shared
         self.gen = gen
         self.engine = engine
@@ -139,8 +140,12 @@ class EngineLoop:
                 self.add(p)
         for p in lanes.admit(self.engine, self.add):
             self.shared.stats.num_solo_runs += 1
-            log.warning("quarantine: running request %s alone (solo run %d of at most %d)", p.request_id,
-                        p.solo_failures + 1, self.shared.options.solo_attempts)
+            log.warning(
+                "quarantine: running request %s alone (solo run %d of at most %d)",
+                p.request_id,
+                p.solo_failures + 1,
+                self.shared.options.solo_attempts,
+            )
 
     def add(self, p: Pending) -> bool:
         """Tokenize and add one request to the engine; False if it is gone or was refused."""
@@ -198,8 +203,9 @@ class EngineLoop:
         s.stats.num_steps += 1
         s.stats.num_step_seqs += len(seqs)
         if s.options.faults:
-            ctx = StepContext(step=s.stats.num_steps, seqs=seqs, engine=self.engine, abandoned=abandoned,
-                              prompt_text=self.prompt_text)
+            ctx = StepContext(
+                step=s.stats.num_steps, seqs=seqs, engine=self.engine, abandoned=abandoned, prompt_text=self.prompt_text
+            )
             for f in s.options.faults:
                 f.before_step(ctx)
         if abandoned.is_set():  # a hang outlived the watchdog: do not run the forward pass
@@ -209,4 +215,3 @@ class EngineLoop:
         """The prompt of an engine sequence as the client sent it (for poison faults)."""
         p = self.shared.pending.get(seq.request_id)
         return None if p is None else p.prompt_text()
-

@@ -100,8 +100,9 @@ class Supervisor:
                 s.failed.clear()
                 failure, s.failure = s.failure, None
                 if failure is None and s.state in LIVE_STATES and (s.pending or s.in_canary):
-                    reason = watchdog_reason(time.monotonic() - s.last_beat, s.options.watchdog_timeout,
-                                             len(s.pending), s.in_canary)
+                    reason = watchdog_reason(
+                        time.monotonic() - s.last_beat, s.options.watchdog_timeout, len(s.pending), s.in_canary
+                    )
                     if reason is not None:
                         failure = Failure(s.gen, reason)
             if failure is not None:
@@ -134,13 +135,21 @@ class Supervisor:
         tb = "".join(traceback.format_exception(exc)) if exc is not None else "(no exception: the step hung)"
         carry = f", carrying {len(t.carried)} others over to the new engine" if t.carried else ""
         canary = " (the rebuilt engine's canary step)" if canary_failed else ""
-        log.error("engine failure%s: %s; failing %d in-flight requests with a retryable EngineFailure%s%s and "
-                  "rebuilding the engine\n%s", canary, reason, len(t.struck), carry,
-                  f", {len(t.poisoned)} for good as poison" if t.poisoned else "", tb.rstrip())
+        log.error(
+            "engine failure%s: %s; failing %d in-flight requests with a retryable EngineFailure%s%s and "
+            "rebuilding the engine\n%s",
+            canary,
+            reason,
+            len(t.struck),
+            carry,
+            f", {len(t.poisoned)} for good as poison" if t.poisoned else "",
+            tb.rstrip(),
+        )
         fail(t.struck, struck_error(reason))
         for p in t.poisoned:
-            log.error("quarantine: request %s failed alone %d times; failing it for good", p.request_id,
-                      p.solo_failures)
+            log.error(
+                "quarantine: request %s failed alone %d times; failing it for good", p.request_id, p.solo_failures
+            )
             fail([p], poison_error(p, what))
         self.release(old_thread, exc)
         del exc
@@ -150,8 +159,10 @@ class Supervisor:
         if s.verdicts_in_a_row >= POISON_BREAKER:
             # Poison is rare; request after request failing alone, with nothing succeeding in
             # between, means this engine fails real work (its canary is too small to show it).
-            self.give_up(f"{s.verdicts_in_a_row} requests in a row failed alone with no successful engine step "
-                         f"in between: the engine, not the requests, looks broken (last failure: {reason})")
+            self.give_up(
+                f"{s.verdicts_in_a_row} requests in a row failed alone with no successful engine step "
+                f"in between: the engine, not the requests, looks broken (last failure: {reason})"
+            )
             return
         self.rebuild(reason)
 
@@ -189,8 +200,13 @@ class Supervisor:
             except Exception as exc:  # noqa: BLE001
                 s.failed_rebuilds += 1
                 reason = f"rebuild attempt {attempt} raised {exc!r}"
-                log.error("engine rebuild attempt %d failed (%d/%d consecutive)", attempt,
-                          s.failed_rebuilds, s.options.max_rebuilds, exc_info=True)
+                log.error(
+                    "engine rebuild attempt %d failed (%d/%d consecutive)",
+                    attempt,
+                    s.failed_rebuilds,
+                    s.options.max_rebuilds,
+                    exc_info=True,
+                )
                 s.stop.wait(s.options.rebuild_backoff * attempt)
                 continue
             with s.lock:
@@ -199,9 +215,13 @@ class Supervisor:
                 s.loaded = engine.loaded
                 s.stats.num_rebuilds += 1
                 self.install(engine, is_rebuild=True)
-            log.warning("engine restarted: rebuild %d (attempt %d, %s weights) took %.2f s; serving again",
-                        s.stats.num_rebuilds, attempt, "reused" if loaded is not None else "reloaded",
-                        time.monotonic() - t0)
+            log.warning(
+                "engine restarted: rebuild %d (attempt %d, %s weights) took %.2f s; serving again",
+                s.stats.num_rebuilds,
+                attempt,
+                "reused" if loaded is not None else "reloaded",
+                time.monotonic() - t0,
+            )
             return
 
     def give_up(self, reason: str) -> None:

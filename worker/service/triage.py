@@ -55,8 +55,10 @@ def struck_error(reason: str) -> EngineFailure:
 
 def poison_error(p: Pending, what: str) -> EngineCrash:
     """Quarantine's verdict on ``p``; ``what`` names the last exception."""
-    return EngineCrash(f"the request crashed the engine each of the {p.solo_failures} times it ran "
-                       f"alone (quarantined after repeated engine failures); last: {what}"[:2000])
+    return EngineCrash(
+        f"the request crashed the engine each of the {p.solo_failures} times it ran "
+        f"alone (quarantined after repeated engine failures); last: {what}"[:2000]
+    )
 
 
 def watchdog_reason(quiet_s: float, limit_s: float, num_pending: int, in_canary: bool) -> str | None:
@@ -64,5 +66,4 @@ def watchdog_reason(quiet_s: float, limit_s: float, num_pending: int, in_canary:
     if quiet_s <= limit_s:
         return None
     what = "the canary step" if in_canary else f"{num_pending} requests"
-    return (f"the watchdog fired: {what} pending and no engine step finished for {quiet_s:.1f} s "
-            f"(limit {limit_s:g} s)")
+    return f"the watchdog fired: {what} pending and no engine step finished for {quiet_s:.1f} s (limit {limit_s:g} s)"
