@@ -6,8 +6,8 @@ a strike against the task. The task id is stable across Celery retries and redel
 (``{job}-{line}`` for a batch line), so the count lives in the result backend's Redis under
 ``{BATCHERY_QUARANTINE__KEY_PREFIX}:{task_id}`` (``batchery.jobs.strikes``) and survives a retry
 that lands on another worker. From ``BATCHERY_QUARANTINE__AFTER`` strikes on, the task asks the
-engine to run the request alone (``GenerationRequest.solo``); the engine service then decides between "innocent" (it completes) and
-poison (``EngineCrash``).
+engine to run the request alone (``GenerationRequest.solo``); the engine service then decides
+between "innocent" (it completes) and poison (``EngineCrash``).
 
 Strikes are read only on a retry or a redelivery, so a first attempt costs no Redis round trip. A
 Redis hiccup never fails a request here: a strike that cannot be read or written is logged and
