@@ -68,6 +68,17 @@ def drop_queue_keys(r, queue: str) -> None:
         r.delete(*keys)
 
 
+WORKER_FIXTURES = frozenset({"session_workers", "workers", "tiny_worker", "tiny_client"})
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that uses a real worker process is an integration test (``make test-fast`` skips those),
+    whichever module it is in; modules that start other processes mark themselves."""
+    for item in items:
+        if WORKER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random-weight Llama (2 layers, word-level tokenizer, chat template) on disk."""

@@ -23,6 +23,8 @@ from batchery.cli import BATCH_COMMANDS, COMMANDS, build_parser
 from batchery.contract.schemas import BatchJob, ChatCompletion, Completion
 from batchery.progress import Progress
 
+pytestmark = pytest.mark.integration  # real worker processes
+
 HI = [{"role": "user", "content": "hello world"}]
 
 

@@ -16,6 +16,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import chaos  # noqa: E402  (benchmarks/chaos.py)
 
+pytestmark = pytest.mark.integration  # real worker processes and private Redis servers
+
 
 @pytest.fixture(scope="module")
 def harness(tiny_model_dir, redis_urls, tmp_path_factory):

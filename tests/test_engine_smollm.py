@@ -12,7 +12,7 @@ from batchery.engine.llm_engine import LLMEngine
 from batchery.engine.loader import load_model
 from batchery.engine.sampling import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.integration]  # the real SmolLM2 model
 NEW_TOKENS = 48
 
 

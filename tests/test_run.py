@@ -25,6 +25,8 @@ import pytest
 from conftest import REPO, wait_for
 from test_batch_worker import check_mixed_records, mixed_job_lines
 
+pytestmark = pytest.mark.integration  # batchery run's embedded Redis and worker
+
 TAG = "BATCHERY_TEST_RUN_TAG"
 
 

@@ -20,6 +20,8 @@ from batchery.client import Client
 from batchery.contract.names import CHAT_TASK
 from batchery.contract.settings import Settings, queue_for_model
 
+pytestmark = pytest.mark.integration  # several real worker processes
+
 
 def served(worker) -> float:
     """Chat requests this worker finished (its own counter)."""

@@ -30,7 +30,10 @@ from batchery.contract.settings import Settings
 
 HI = [{"role": "user", "content": "hello world"}]
 QUEUE = f"batchery-secure-{uuid.uuid4().hex[:8]}"
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server on PATH")
+pytestmark = [
+    pytest.mark.integration,  # private redis-server processes and real workers
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server on PATH"),
+]
 
 
 class PrivateRedis:

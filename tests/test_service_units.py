@@ -23,6 +23,7 @@ from batchery.worker.service.logprobs import LogprobRenderer
 from batchery.worker.service.loop import EngineLoop
 from batchery.worker.service.shared import AbortOp, AddOp, EngineAbandoned, ServiceOptions, Shared
 from batchery.worker.service.stats import Health, ServiceStats
+from batchery.worker.service.step_stats import StepStats
 from batchery.worker.service.triage import poison_error, struck_error, triage, watchdog_reason
 
 MAX_MODEL_LEN = 512
@@ -84,15 +85,10 @@ def test_engine_state_values_are_the_documented_strings():
 
 
 def test_service_stats_as_dict():
-    st = ServiceStats(
-        model_name="m",
-        dtype="bfloat16",
-        num_steps=4,
-        num_step_seqs=10,
-        step_seconds=1.23456789,
-        engine={"num_running": 2},
-    )
-    d = st.as_dict(EngineState.SERVING, num_pending=3)
+    st = ServiceStats(model_name="m", dtype="bfloat16", step_seconds=1.23456789, engine={"num_running": 2})
+    steps = StepStats()
+    assert [steps.start(n) for n in (1, 2, 3, 4)] == [1, 2, 3, 4]  # numbered from 1
+    d = st.as_dict(EngineState.SERVING, num_pending=3, steps=steps)
     assert list(d) == [
         "model",
         "dtype",
@@ -117,10 +113,13 @@ def test_service_stats_as_dict():
         "engine",
     ]
     assert d["state"] == "serving" and type(d["state"]) is str and d["num_pending"] == 3
+    assert d["num_steps"] == 4 and d["num_step_seqs"] == 10 and d["num_step_tokens"] == 0
     assert d["mean_batch_size"] == 2.5 and d["step_seconds"] == 1.234568
     d["engine"]["num_running"] = 99  # a copy: the caller cannot change the service's counters
     assert st.engine == {"num_running": 2}
-    assert ServiceStats().as_dict(EngineState.NEW, 0)["mean_batch_size"] == 0.0  # no steps: no division by zero
+    assert (
+        ServiceStats().as_dict(EngineState.NEW, 0, StepStats())["mean_batch_size"] == 0.0
+    )  # no steps: no division by zero
 
 
 @pytest.mark.parametrize(
@@ -378,7 +377,7 @@ def test_loop_apply_step_and_resolve(config, engine):
     outputs = []
     while engine.has_unfinished():
         outputs += engine.step()
-    assert shared.stats.num_steps == engine.num_steps and shared.step_rids == ("ok",)
+    assert shared.step_stats.num_started == engine.num_steps and shared.step_rids == ("ok",)
     loop.resolve(outputs)
     r = ok.future.result(timeout=0)
     assert len(r.token_ids) == 4 and r.finish_reason == "length" and len(r.logprobs) == 4
@@ -399,10 +398,10 @@ def test_loop_step_hook_runs_faults_and_unwinds_an_abandoned_engine(config, engi
     engine.step()
     with pytest.raises(InjectedFault, match="step 2"):
         engine.step()
-    assert shared.stats.num_steps == 2 and shared.stats.num_step_seqs == 2
+    assert shared.step_stats.num_started == 2 and shared.step_stats.num_started_seqs == 2
     shared.in_canary = True
     engine.step()  # the canary's steps are not counted and meet no fault
-    assert shared.stats.num_steps == 2
+    assert shared.step_stats.num_started == 2
     loop.abandoned.set()
     with pytest.raises(EngineAbandoned):
         engine.step()

@@ -21,6 +21,8 @@ from batchery.client import Handle
 from batchery.contract.errors import DeadlineExceeded, EngineFailure, InvalidRequest
 from batchery.contract.schemas import ChatCompletion, Completion
 
+pytestmark = pytest.mark.integration  # real worker processes
+
 HI = [{"role": "user", "content": "hello world"}]
 
 

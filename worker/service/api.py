@@ -190,7 +190,7 @@ class EngineService:
 
     def stats(self) -> dict[str, Any]:
         """Counters for the worker stats endpoint (``ServiceStats.as_dict``)."""
-        return self._shared.stats.as_dict(self._shared.state, len(self._shared.pending))
+        return self._shared.stats.as_dict(self._shared.state, len(self._shared.pending), self._shared.step_stats)
 
     @property
     def counters(self) -> ServiceStats:

@@ -67,7 +67,7 @@ class EngineLoop:
                 if not engine.has_unfinished():
                     s.stats.engine = engine.stats()
                     continue
-                steps_before = s.stats.num_steps
+                steps_before = s.step_stats.num_started
                 t_step = time.perf_counter()
                 outputs = engine.step()
                 s.step_rids = ()
@@ -75,11 +75,10 @@ class EngineLoop:
                 s.stats.step_seconds += step_s
                 if abandoned.is_set():
                     return  # the supervisor gave up on this engine; its results are void
-                if s.stats.num_steps == steps_before:
+                if s.step_stats.num_started == steps_before:
                     continue  # nothing was scheduled: not progress, so the watchdog keeps counting
                 s.last_beat = s.last_step_at = time.monotonic()
                 s.failed_rebuilds = s.verdicts_in_a_row = 0
-                s.stats.num_step_tokens += engine.last_step_num_tokens
                 s.stats.engine = engine.stats()
                 s.step_stats.observe(self.gen, step_s, s.stats.engine)
                 if outputs:
@@ -200,11 +199,10 @@ class EngineLoop:
         if s.in_canary:
             return  # not a work step: not counted, and no fault applies
         s.step_rids = tuple(seq.request_id for seq in seqs)
-        s.stats.num_steps += 1
-        s.stats.num_step_seqs += len(seqs)
+        step = s.step_stats.start(len(seqs))
         if s.options.faults:
             ctx = StepContext(
-                step=s.stats.num_steps, seqs=seqs, engine=self.engine, abandoned=abandoned, prompt_text=self.prompt_text
+                step=step, seqs=seqs, engine=self.engine, abandoned=abandoned, prompt_text=self.prompt_text
             )
             for f in s.options.faults:
                 f.before_step(ctx)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchery.worker.service.state import LIVE_STATES, EngineState
+from batchery.worker.service.step_stats import StepStats
 
 
 @dataclass
@@ -21,9 +22,6 @@ class ServiceStats:
     num_requests: int = 0  # submitted
     num_finished: int = 0  # resolved with a result
     num_aborted: int = 0  # aborted by their task (deadline, cancellation)
-    num_steps: int = 0  # work steps started (the canary's are not counted)
-    num_step_seqs: int = 0  # sequences over those steps: num_step_seqs / num_steps is the mean batch size
-    num_step_tokens: int = 0  # tokens (prefill and decode) over the steps that finished
     step_seconds: float = 0.0  # wall time inside engine.step()
     num_failures: int = 0  # engine failures: a step raised or the watchdog fired
     num_rebuilds: int = 0  # successful rebuilds
@@ -33,10 +31,9 @@ class ServiceStats:
     num_poisoned: int = 0  # requests failed for good with EngineCrash
     engine: dict[str, Any] = field(default_factory=dict)  # the current engine's own stats()
 
-    def as_dict(self, state: EngineState, num_pending: int) -> dict[str, Any]:
-        """The ``/stats`` body. ``mean_batch_size`` is over the process lifetime; diff
-        ``num_steps`` / ``num_step_seqs`` for a window."""
-        steps = max(self.num_steps, 1)
+    def as_dict(self, state: EngineState, num_pending: int, steps: StepStats) -> dict[str, Any]:
+        """The ``/stats`` body, with the step counters of ``steps``. ``mean_batch_size`` is over the
+        process lifetime; diff ``num_steps`` / ``num_step_seqs`` for a window."""
         return {
             "model": self.model_name,
             "dtype": self.dtype,
@@ -47,11 +44,11 @@ class ServiceStats:
             "num_requests": self.num_requests,
             "num_finished": self.num_finished,
             "num_aborted": self.num_aborted,
-            "num_steps": self.num_steps,
-            "num_step_seqs": self.num_step_seqs,
-            "num_step_tokens": self.num_step_tokens,
+            "num_steps": steps.num_started,
+            "num_step_seqs": steps.num_started_seqs,
+            "num_step_tokens": steps.num_step_tokens,
             "step_seconds": round(self.step_seconds, 6),
-            "mean_batch_size": self.num_step_seqs / steps,
+            "mean_batch_size": steps.num_started_seqs / max(steps.num_started, 1),
             "num_failures": self.num_failures,
             "num_rebuilds": self.num_rebuilds,
             "num_struck": self.num_struck,

@@ -46,10 +46,14 @@ def _le(bound: float) -> str:
 
 
 class StepStats:
-    """Per-step engine figures, written by the engine loop thread once per step. The engine's own
-    counters restart with every rebuilt engine; these keep counting across rebuilds."""
+    """The process's step counters, written by the engine loop thread: ``start`` when a work step
+    begins (the canary's are not counted), ``observe`` when it finished. The engine's own counters
+    restart with every rebuilt engine; these keep counting across rebuilds, and they are the only
+    lifetime step counters (``/stats`` and ``/metrics`` both read them)."""
 
     def __init__(self) -> None:
+        self.num_started = 0  # work steps started, finished or not: numbers the steps (faults)
+        self.num_started_seqs = 0  # sequences over those steps
         self.step_seconds = FixedHistogram(STEP_SECONDS_BUCKETS)
         self.batch_size = FixedHistogram(BATCH_SIZE_BUCKETS)
         self.step_tokens = FixedHistogram(STEP_TOKENS_BUCKETS)
@@ -58,6 +62,17 @@ class StepStats:
         self.prefix_cache_query_tokens = 0
         self._gen: int | None = None
         self._prev = (0, 0, 0)
+
+    def start(self, num_seqs: int) -> int:
+        """A work step of ``num_seqs`` sequences begins; returns its 1-based number in this process."""
+        self.num_started += 1
+        self.num_started_seqs += num_seqs
+        return self.num_started
+
+    @property
+    def num_step_tokens(self) -> int:
+        """Tokens (prefill and decode) over the steps that finished."""
+        return int(self.step_tokens.sum)
 
     def observe(self, gen: int, seconds: float, stats: dict[str, Any]) -> None:
         """One finished step of engine generation ``gen``; ``stats`` is that engine's ``stats()``."""
