@@ -153,3 +153,12 @@ def test_step_raise_fires_once_on_its_step():
     with pytest.raises(InjectedFault, match="step 2"):
         f.before_step(ctx(2))
     f.before_step(ctx(2))  # once
+
+
+def test_exit_on_parses_free_text():
+    from batchery.worker.service.faults import ExitOn
+
+    (f,) = parse_faults("exit_on: stop: now")
+    assert isinstance(f, ExitOn) and f.text == " stop: now"
+    with pytest.raises(ValueError, match="expected exit_on:TEXT"):
+        parse_faults("exit_on: ")

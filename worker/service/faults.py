@@ -9,7 +9,10 @@
 - ``poison:TEXT``         any step whose batch holds a request whose prompt contains TEXT raises
                           (TEXT is taken as written and may hold ``:``, but not ``,``);
 - ``oom:N``               the Nth engine step raises the accelerator's out-of-memory error
-                          (``torch.OutOfMemoryError``), once: the engine shrinks its steps and goes on.
+                          (``torch.OutOfMemoryError``), once: the engine shrinks its steps and goes on;
+- ``exit_on:TEXT``        any step whose batch holds a request whose prompt contains TEXT ends the
+                          process at once with ``os._exit(70)`` (no cleanup, no acks: like a segfault
+                          or the OOM killer); TEXT as for ``poison``.
 
 Steps are counted per process, across engine rebuilds, starting at 1. The engine service's
 two-token canary after a rebuild is not a counted step and meets no fault. A new kind is one
@@ -19,6 +22,7 @@ through ``StepContext``."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -99,6 +103,26 @@ class Poison(Fault):
                     f"injected fault {self.spec!r}: engine step {ctx.step} holds a poisoned "
                     f"request ({len(ctx.seqs)} in the batch)"
                 )
+
+
+EXIT_ON_CODE = 70  # the exit status of a process ended by ``exit_on`` (EX_SOFTWARE)
+
+
+@dataclass
+class ExitOn(Fault):
+    text: str
+    spec: str = ""
+
+    def before_step(self, ctx: StepContext) -> None:
+        for seq in ctx.seqs:
+            if self.text in ctx.text_of(seq):
+                log.critical(
+                    "injected fault %r: engine step %d holds a request that ends the process (exit %d)",
+                    self.spec,
+                    ctx.step,
+                    EXIT_ON_CODE,
+                )
+                os._exit(EXIT_ON_CODE)
 
 
 @dataclass
@@ -184,6 +208,13 @@ def _poison(spec: str, args: list[str]) -> Fault:
     return Poison(text, spec=spec)
 
 
+def _exit_on(spec: str, args: list[str]) -> Fault:
+    text = ":".join(args)
+    if not text.strip():
+        raise ValueError(f"fault {spec!r}: expected exit_on:TEXT with a non-empty TEXT")
+    return ExitOn(text, spec=spec)
+
+
 def _oom(spec: str, args: list[str]) -> Fault:
     _nargs(spec, args, 1, "oom:N")
     return OutOfMemory(_int(spec, args[0], "N"), spec=spec)
@@ -208,6 +239,7 @@ PARSERS: dict[str, Callable[[str, list[str]], Fault]] = {
     "rebuild_raise": _rebuild_raise,
     "poison": _poison,
     "oom": _oom,
+    "exit_on": _exit_on,
 }
 
 
@@ -223,6 +255,6 @@ def parse_faults(text: str | None) -> list[Fault]:
         parser = PARSERS.get(kind)
         if parser is None:
             raise ValueError(f"unknown fault {kind!r} in {spec!r}; known: {', '.join(sorted(PARSERS))}")
-        # poison's TEXT is free text, taken as written; numeric arguments may carry spaces
-        faults.append(parser(spec, args if kind == "poison" else [a.strip() for a in args]))
+        # poison's and exit_on's TEXT is free text, taken as written; numeric arguments may carry spaces
+        faults.append(parser(spec, args if kind in ("poison", "exit_on") else [a.strip() for a in args]))
     return faults
