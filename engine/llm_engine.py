@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -103,9 +104,25 @@ class LLMEngine:
             raise ValueError("params must be a SamplingParams")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        params = self._fit_to_model(params)
         seq = Sequence(request_id, prompt_token_ids, params, priority=priority)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def _fit_to_model(self, params: SamplingParams) -> SamplingParams:
+        """``params`` checked against the loaded model, so that nothing a step indexes can be out of
+        range: stop token ids must be in the vocabulary (``ValueError`` otherwise), and a ``top_k`` at
+        or above it keeps every token, so it is off. The caller's object is never changed."""
+        vocab = self.runner.vocab_size
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:
+            shown = ", ".join(map(str, outside[:5])) + (", ..." if len(outside) > 5 else "")
+            raise ValueError(
+                f"stop_token_ids {shown} are outside this model's vocabulary of {vocab} tokens (ids 0 to {vocab - 1})"
+            )
+        if params.top_k >= vocab:
+            params = dataclasses.replace(params, top_k=0)
+        return params
 
     def abort(self, request_id: str) -> bool:
         """Drop a request now and free its KV blocks. False if it is unknown or already finished."""

@@ -129,6 +129,8 @@ def test_deadline_aborts_the_request_and_frees_its_kv_blocks(tiny_client, tiny_w
         ({"body": {"messages": HI, "temperature": "hot"}}, "temperature"),
         ({"body": "not an object"}, "expected a JSON object"),
         ({"body": {"messages": HI}, "timeout": -1}, "timeout must be a positive number"),
+        # schema-valid, but not for this model (a Llama-3 end-of-turn id sent to a small vocabulary)
+        ({"body": {"messages": HI, "stop_token_ids": [128009], "min_tokens": 1}}, "outside this model's vocabulary"),
     ],
 )
 def test_invalid_body_fails_at_once_and_is_not_retried(tiny_client, tiny_worker, kwargs, needle):
