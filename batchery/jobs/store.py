@@ -5,9 +5,23 @@ Keys (``prefix`` is ``BATCHERY_BATCH__KEY_PREFIX``, default ``batchery:batch``):
 
     {prefix}:{job}          hash  status, counts, usage, timestamps, metadata, limits
     {prefix}:{job}:results  hash  line number -> output or error record (JSON)
-    {prefix}:{job}:running  hash  line number -> lease deadline (time.time()), for cancellation
+    {prefix}:{job}:running  hash  line number -> lease deadline (server time), for cancellation
     {prefix}:{job}:pending  hash  line number -> its queued task message, until the line has a record
     {prefix}:index          zset  job id, scored by creation time
+
+**TTL.** A job's keys never expire while it runs, however long that takes. When it ends (``completed``,
+``failed`` or ``cancelled``: the ``finish`` of the Lua prelude) the job hash and its records get the TTL
+(``BATCHERY_BATCH__TTL``), ``expires_at`` says when, and the leases and the ledger are deleted; a record
+written after the end (a line that finished just too late) inherits the job's TTL. ``create`` drops from the
+index the jobs older than the TTL whose keys have expired, and repairs (``status``) those that never ended, so
+a job whose submitter died is failed and then expires like any other.
+
+**Clocks.** Every timestamp is the Redis server's (``TIME`` inside the scripts): heartbeats and lease
+deadlines are written by one machine and compared by another, whose clocks may disagree by minutes.
+
+**A job that is gone** (deleted, or a Redis flushed or replaced) is never written to: every script checks
+the job's status first and refuses (``"gone"``, or a nil reply), so no write recreates a hash without id,
+status or TTL. A hash that is no job (left by older code) raises ``JobMalformed`` and is given the TTL.
 
 Every transition is one Lua script, so it is atomic against every other writer:
 
@@ -17,6 +31,7 @@ Every transition is one Lua script, so it is atomic against every other writer:
   script (and the line leaves the ``pending`` ledger). A redelivered or retried request can never
   duplicate a line or a count. The last record of an ``in_progress`` job moves it to
   ``finalizing``; ``finalize`` then makes it ``completed`` (and applies the job's TTL to all its keys).
+- ``chunk``/``ledger``: a submitted chunk's count, heartbeat and task-message copies.
 - ``end_submit``: the submitter's last word: the final total; ``validating`` -> ``in_progress``
   (or ``failed``, with a job-level error).
 - ``cancel``: -> ``cancelling``; ``cancelled`` once no line holds a lease (the last running line
@@ -46,12 +61,18 @@ STOPPED_STATUSES = frozenset({"cancelling", "cancelled", "failed"})  # lines mus
 FINALIZE_STALE_S = 10.0  # a job finalizing for this long lost its finalizer
 SUBMIT_STALE_S = 120.0  # a validating job whose submitter has not beaten for this long is dead
 LEASE_GRACE_S = 30.0  # a running lease outlives its request's deadline by this much
+MAX_REPAIRS_PER_CREATE = 20  # old jobs that never ended, looked at (and repaired) by each create
 
 _PRELUDE = """
+local function server_now()
+  local t = redis.call('TIME')
+  return string.format('%d.%06d', tonumber(t[1]), tonumber(t[2]))
+end
 local function finish(job, results, running, status, now, ttl)
-  redis.call('HSET', job, 'status', status, status .. '_at', now, 'expires_at', tonumber(now) + tonumber(ttl))
+  local expires = string.format('%.6f', tonumber(now) + tonumber(ttl))
+  redis.call('HSET', job, 'status', status, status .. '_at', now, 'expires_at', expires)
   redis.call('EXPIRE', job, ttl)
-  redis.call('EXPIRE', results, ttl)
+  if redis.call('EXISTS', results) == 1 then redis.call('EXPIRE', results, ttl) end
   redis.call('DEL', running)
   if KEYS[4] then redis.call('DEL', KEYS[4]) end
 end
@@ -73,7 +94,54 @@ local function num(job, field)
 end
 """
 
-# KEYS: job, results, running   ARGV: line, lease deadline, now
+# KEYS: job, index   ARGV: job id, ttl, prefix, then the job's fields and values (timestamps are added here)
+# Returns the ids of jobs created more than a TTL ago that still exist and have not ended (for the caller to repair).
+_CREATE = (
+    _PRELUDE
+    + """
+local now = server_now()
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'created_at', now, 'submit_beat', now, unpack(ARGV, 4))
+redis.call('ZADD', KEYS[2], now, ARGV[1])
+local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', tonumber(now) - tonumber(ARGV[2]), 'LIMIT', 0, 1000)
+local unended = {}
+for _, id in ipairs(old) do
+  local status = redis.call('HGET', ARGV[3] .. ':' .. id, 'status')
+  if not status then
+    if redis.call('EXISTS', ARGV[3] .. ':' .. id) == 0 then redis.call('ZREM', KEYS[2], id) end
+  elseif status ~= 'completed' and status ~= 'failed' and status ~= 'cancelled' then
+    table.insert(unended, id)
+  end
+end
+return unended
+"""
+)
+
+# KEYS: job, results, running, pending   ARGV: number of new lines, max line
+# Returns the status (nil: no job; nothing is written then).
+_CHUNK = (
+    _PRELUDE
+    + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return false end
+if tonumber(ARGV[1]) > 0 then redis.call('HINCRBY', KEYS[1], 'total', ARGV[1]) end
+redis.call('HSET', KEYS[1], 'max_line', ARGV[2], 'submit_beat', server_now())
+return status
+"""
+)
+
+# KEYS: job, results, running, pending   ARGV: line, message, line, message, ...
+_LEDGER = (
+    _PRELUDE
+    + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status ~= 'validating' then return 0 end
+redis.call('HSET', KEYS[4], unpack(ARGV))
+return 1
+"""
+)
+
+# KEYS: job, results, running, pending   ARGV: line, lease seconds
 _CLAIM = (
     _PRELUDE
     + """
@@ -81,15 +149,16 @@ local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'gone' end
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 'done' end
 if status ~= 'validating' and status ~= 'in_progress' then return status end
-redis.call('HSETNX', KEYS[1], 'started_at', ARGV[3])
-redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
+local now = server_now()
+redis.call('HSETNX', KEYS[1], 'started_at', now)
+redis.call('HSET', KEYS[3], ARGV[1], string.format('%.6f', tonumber(now) + tonumber(ARGV[2])))
 inherit_ttl(KEYS[3], KEYS[1])
 return 'run'
 """
 )
 
 # KEYS: job, results, running, pending
-# ARGV: line, record, counter (completed|failed), prompt_tokens, completion_tokens, now, ttl
+# ARGV: line, record, counter (completed|failed), prompt_tokens, completion_tokens, ttl
 _WRITE = (
     _PRELUDE
     + """
@@ -104,82 +173,107 @@ if tonumber(ARGV[4]) > 0 then redis.call('HINCRBY', KEYS[1], 'prompt_tokens', AR
 if tonumber(ARGV[5]) > 0 then redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[5]) end
 if status == 'in_progress' then
   if num(KEYS[1], 'completed') + num(KEYS[1], 'failed') >= num(KEYS[1], 'total') then
-    redis.call('HSET', KEYS[1], 'status', 'finalizing', 'finalizing_at', ARGV[6])
+    redis.call('HSET', KEYS[1], 'status', 'finalizing', 'finalizing_at', server_now())
     return {1, 'finalizing'}
   end
-elseif status == 'cancelling' and live_leases(KEYS[3], ARGV[6]) == 0 then
-  finish(KEYS[1], KEYS[2], KEYS[3], 'cancelled', ARGV[6], ARGV[7])
-  return {1, 'cancelled'}
+elseif status == 'cancelling' then
+  local now = server_now()
+  if live_leases(KEYS[3], now) == 0 then
+    finish(KEYS[1], KEYS[2], KEYS[3], 'cancelled', now, ARGV[6])
+    return {1, 'cancelled'}
+  end
 end
 return {1, status}
 """
 )
 
-# KEYS: job, results, running   ARGV: line, now, ttl
+# KEYS: job, results, running, pending   ARGV: line, ttl
 _RELEASE = (
     _PRELUDE
     + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'gone' end
 redis.call('HDEL', KEYS[3], ARGV[1])
-if status == 'cancelling' and live_leases(KEYS[3], ARGV[2]) == 0 then
-  finish(KEYS[1], KEYS[2], KEYS[3], 'cancelled', ARGV[2], ARGV[3])
-  return 'cancelled'
+if status == 'cancelling' then
+  local now = server_now()
+  if live_leases(KEYS[3], now) == 0 then
+    finish(KEYS[1], KEYS[2], KEYS[3], 'cancelled', now, ARGV[2])
+    return 'cancelled'
+  end
 end
 return status
 """
 )
 
-# KEYS: job, results, running   ARGV: now, ttl
+# KEYS: job, results, running, pending   ARGV: ttl
 _CANCEL = (
     _PRELUDE
     + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'gone' end
 if status ~= 'validating' and status ~= 'in_progress' and status ~= 'cancelling' then return status end
-if status ~= 'cancelling' then redis.call('HSET', KEYS[1], 'status', 'cancelling', 'cancelling_at', ARGV[1]) end
-if live_leases(KEYS[3], ARGV[1]) == 0 then
-  finish(KEYS[1], KEYS[2], KEYS[3], 'cancelled', ARGV[1], ARGV[2])
+local now = server_now()
+if status ~= 'cancelling' then redis.call('HSET', KEYS[1], 'status', 'cancelling', 'cancelling_at', now) end
+if live_leases(KEYS[3], now) == 0 then
+  finish(KEYS[1], KEYS[2], KEYS[3], 'cancelled', now, ARGV[1])
   return 'cancelled'
 end
 return 'cancelling'
 """
 )
 
-# KEYS: job, results, running   ARGV: total ('' keeps), max_line ('' keeps), now, ttl, errors JSON ('' = none)
+# KEYS: job, results, running, pending
+# ARGV: total ('' keeps), max_line ('' keeps), ttl, errors JSON ('' = none),
+#       stale seconds ('' = now; else only if the submitter has not beaten for that long: the repair)
 _END_SUBMIT = (
     _PRELUDE
     + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'gone' end
+local now = server_now()
+if ARGV[5] ~= '' then
+  if status ~= 'validating' then return status end
+  local beat = tonumber(redis.call('HGET', KEYS[1], 'submit_beat') or '0') or 0
+  if tonumber(now) - beat <= tonumber(ARGV[5]) then return status end
+end
 if ARGV[1] ~= '' then redis.call('HSET', KEYS[1], 'total', ARGV[1]) end
 if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'max_line', ARGV[2]) end
 if status ~= 'validating' then return status end
-if ARGV[5] ~= '' then
-  redis.call('HSET', KEYS[1], 'errors', ARGV[5])
-  finish(KEYS[1], KEYS[2], KEYS[3], 'failed', ARGV[3], ARGV[4])
+if ARGV[4] ~= '' then
+  redis.call('HSET', KEYS[1], 'errors', ARGV[4])
+  finish(KEYS[1], KEYS[2], KEYS[3], 'failed', now, ARGV[3])
   return 'failed'
 end
-redis.call('HSET', KEYS[1], 'status', 'in_progress', 'in_progress_at', ARGV[3])
+redis.call('HSET', KEYS[1], 'status', 'in_progress', 'in_progress_at', now)
 if num(KEYS[1], 'completed') + num(KEYS[1], 'failed') >= num(KEYS[1], 'total') then
-  redis.call('HSET', KEYS[1], 'status', 'finalizing', 'finalizing_at', ARGV[3])
+  redis.call('HSET', KEYS[1], 'status', 'finalizing', 'finalizing_at', now)
   return 'finalizing'
 end
 return 'in_progress'
 """
 )
 
-# KEYS: job, results, running   ARGV: now, ttl
+# KEYS: job, results, running, pending   ARGV: ttl
 _FINALIZE = (
     _PRELUDE
     + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'gone' end
 if status ~= 'finalizing' then return status end
-finish(KEYS[1], KEYS[2], KEYS[3], 'completed', ARGV[1], ARGV[2])
+finish(KEYS[1], KEYS[2], KEYS[3], 'completed', server_now(), ARGV[1])
 return 'completed'
 """
 )
+
+# KEYS: job, results, running, pending   ARGV: ttl
+# A job hash with no status is no job (a write on a flushed or replaced Redis, by older code): its keys expire.
+_EXPIRE_MALFORMED = """
+if redis.call('HGET', KEYS[1], 'status') then return 0 end
+for _, key in ipairs(KEYS) do
+  if redis.call('TTL', key) == -1 then redis.call('EXPIRE', key, ARGV[1]) end
+end
+return 1
+"""
 
 _FLOAT_FIELDS = (
     "created_at",
@@ -201,6 +295,11 @@ class JobNotFound(KeyError):
         return str(self.args[0]) if self.args else "no such batch job"
 
 
+class JobMalformed(JobNotFound):
+    """A job hash that is no job: no id or status (a write landed on a Redis that had lost the job). Its keys
+    are given the TTL, so it does not stay in Redis for good."""
+
+
 def new_job_id() -> str:
     return f"batch_{uuid.uuid4().hex}"
 
@@ -213,19 +312,30 @@ def _line_key(line: int) -> str:
     return str(int(line))
 
 
+def _gone(job_id: str) -> JobNotFound:
+    return JobNotFound(f"no batch job {job_id!r} (never created, or expired)")
+
+
 class JobStore:
-    """Batch-job bookkeeping on one Redis. Thread-safe (redis-py clients are)."""
+    """Batch-job bookkeeping on one Redis. Thread-safe (redis-py clients are).
+
+    Every timestamp is the Redis server's clock (``TIME``), never the caller's: heartbeats, lease deadlines and
+    the repairs' "how long ago" are compared across machines, whose clocks may disagree by minutes."""
 
     def __init__(self, redis_client, prefix: str = "batchery:batch", ttl: int = 7 * 86400) -> None:
         self.r = redis_client
         self.prefix = prefix
         self.ttl = int(ttl)
+        self._create = self.r.register_script(_CREATE)
+        self._chunk = self.r.register_script(_CHUNK)
+        self._ledger = self.r.register_script(_LEDGER)
         self._claim = self.r.register_script(_CLAIM)
         self._write = self.r.register_script(_WRITE)
         self._release = self.r.register_script(_RELEASE)
         self._cancel = self.r.register_script(_CANCEL)
         self._end_submit = self.r.register_script(_END_SUBMIT)
         self._finalize = self.r.register_script(_FINALIZE)
+        self._expire_malformed = self.r.register_script(_EXPIRE_MALFORMED)
 
     # -- keys -------------------------------------------------------------------------------------
     def key(self, job_id: str) -> str:
@@ -239,6 +349,11 @@ class JobStore:
     def index_key(self) -> str:
         return f"{self.prefix}:index"
 
+    def server_time(self) -> float:
+        """The Redis server's clock, in seconds since the epoch."""
+        sec, usec = self.r.time()
+        return sec + usec / 1e6
+
     # -- the submitter's side ----------------------------------------------------------------------
     def create(
         self,
@@ -251,14 +366,13 @@ class JobStore:
         timeout: float | None = None,
         priority: int = 0,
     ) -> None:
-        now = time.time()
+        """A new ``validating`` job. Its keys do not expire until it ends; ``created_at`` is server time.
+        Prunes the index of jobs that have expired, and repairs old ones that never ended (a dead submitter)."""
         fields = {
             "id": job_id,
             "status": "validating",
             "queue": queue,
             "model": model or "",
-            "created_at": repr(now),
-            "submit_beat": repr(now),
             "total": 0,
             "completed": 0,
             "failed": 0,
@@ -269,30 +383,31 @@ class JobStore:
             "input_file": input_file or "",
             "timeout": "" if timeout is None else repr(float(timeout)),
             "priority": int(priority),
-            "expires_at": repr(now + self.ttl),
         }
-        with self.r.pipeline(transaction=True) as p:
-            p.hset(self.key(job_id), mapping=fields)
-            p.expire(self.key(job_id), self.ttl)
-            p.zadd(self.index_key, {job_id: now})
-            p.zremrangebyscore(self.index_key, "-inf", now - self.ttl)  # jobs past any TTL
-            p.execute()
+        args: list = [job_id, self.ttl, self.prefix]
+        for k, v in fields.items():
+            args += [k, v]
+        unended = self._create(keys=[self.key(job_id), self.index_key], args=args)
+        for old in unended[:MAX_REPAIRS_PER_CREATE]:
+            try:
+                self.status(_s(old))  # a validating job whose submitter died fails, and gets its TTL
+            except JobNotFound:
+                pass
 
     def queue_chunk(self, pipe, job_id: str, num_requests: int, max_line: int) -> None:
         """Add to ``pipe`` the bookkeeping of one submitted chunk: the running total, the last line
-        seen, a heartbeat; and a read of the status, so the submitter notices a cancel."""
-        k = self.key(job_id)
-        if num_requests:
-            pipe.hincrby(k, "total", num_requests)
-        pipe.hset(k, mapping={"max_line": max_line, "submit_beat": repr(time.time())})
-        pipe.hget(k, "status")
+        seen, a heartbeat (server time); its reply is the status (None: the job is gone, and nothing was
+        written), so the submitter notices a cancel or a lost job."""
+        self._chunk(keys=self.keys(job_id), args=[int(num_requests), int(max_line)], client=pipe)
 
     def ledger_in(self, pipe, job_id: str, messages: list[tuple[int, str]]) -> None:
-        """Add to ``pipe`` the copies of a chunk's task messages, by line, for ``batchery.jobs.recover``."""
+        """Add to ``pipe`` the copies of a chunk's task messages, by line, for ``batchery.jobs.recover``
+        (only while the job is ``validating``: never on a job that is gone or stopped)."""
         if messages:
-            key = self.keys(job_id)[3]
-            pipe.hset(key, mapping={_line_key(line): msg for line, msg in messages})
-            pipe.expire(key, self.ttl)
+            args: list = []
+            for line, msg in messages:
+                args += [_line_key(line), msg]
+            self._ledger(keys=self.keys(job_id), args=args, client=pipe)
 
     def pending_lines(self, job_id: str) -> set[int]:
         """Lines whose task message was queued and that have no record yet."""
@@ -303,9 +418,13 @@ class JobStore:
         return {n: _s(m) for n, m in zip(lines, raw) if m is not None}
 
     def leased_lines(self, job_id: str) -> set[int]:
-        """Lines some worker is running now (an unexpired lease)."""
-        now = time.time()
-        return {int(_s(k)) for k, v in self.r.hgetall(self.keys(job_id)[2]).items() if float(v) >= now}
+        """Lines some worker is running now (a lease whose deadline, server time, has not passed)."""
+        with self.r.pipeline(transaction=False) as p:
+            p.time()
+            p.hgetall(self.keys(job_id)[2])
+            (sec, usec), leases = p.execute()
+        now = sec + usec / 1e6
+        return {int(_s(k)) for k, v in leases.items() if float(v) >= now}
 
     def write_in(
         self,
@@ -324,18 +443,27 @@ class JobStore:
             client=pipe,
         )
 
-    def end_submit(self, job_id: str, total: int | None, max_line: int | None, errors: list[dict] | None = None) -> str:
+    def end_submit(
+        self,
+        job_id: str,
+        total: int | None,
+        max_line: int | None,
+        errors: list[dict] | None = None,
+        *,
+        stale_s: float | None = None,
+    ) -> str:
         """Close the submission: the final total, then ``in_progress`` (or ``failed`` with
-        ``errors``). Returns the new status; finalizes at once if every line is already done."""
+        ``errors``). Returns the new status (``"gone"``: no such job); finalizes at once if every line is
+        already done. With ``stale_s``, only if the submitter has not beaten for that long (server time)."""
         status = _s(
             self._end_submit(
                 keys=self.keys(job_id),
                 args=[
                     "" if total is None else int(total),
                     "" if max_line is None else int(max_line),
-                    repr(time.time()),
                     self.ttl,
                     json.dumps(errors) if errors else "",
+                    "" if stale_s is None else repr(float(stale_s)),
                 ],
             )
         )
@@ -345,10 +473,9 @@ class JobStore:
 
     # -- the worker's side ------------------------------------------------------------------------
     def claim(self, job_id: str, line: int, lease_s: float) -> str:
-        """``"run"`` (the caller holds the line's lease), ``"done"`` (it has a record), ``"gone"``
-        (no such job) or the job's status when lines must not run."""
-        now = time.time()
-        return _s(self._claim(keys=self.keys(job_id), args=[_line_key(line), repr(now + lease_s), repr(now)]))
+        """``"run"`` (the caller holds the line's lease, for ``lease_s`` seconds of server time), ``"done"``
+        (it has a record), ``"gone"`` (no such job) or the job's status when lines must not run."""
+        return _s(self._claim(keys=self.keys(job_id), args=[_line_key(line), repr(float(lease_s))]))
 
     def write(
         self, job_id: str, line: int, record: dict, failed: bool, prompt_tokens: int = 0, completion_tokens: int = 0
@@ -365,7 +492,7 @@ class JobStore:
 
     def release(self, job_id: str, line: int) -> str:
         """Give up a line's lease without a record (cancelled, retried, requeued)."""
-        return _s(self._release(keys=self.keys(job_id), args=[_line_key(line), repr(time.time()), self.ttl]))
+        return _s(self._release(keys=self.keys(job_id), args=[_line_key(line), self.ttl]))
 
     def _write_args(self, line, record, failed, prompt_tokens, completion_tokens) -> list:
         return [
@@ -374,20 +501,19 @@ class JobStore:
             "failed" if failed else "completed",
             int(prompt_tokens),
             int(completion_tokens),
-            repr(time.time()),
             self.ttl,
         ]
 
     # -- anyone -----------------------------------------------------------------------------------
     def finalize(self, job_id: str) -> str:
-        return _s(self._finalize(keys=self.keys(job_id), args=[repr(time.time()), self.ttl]))
+        return _s(self._finalize(keys=self.keys(job_id), args=[self.ttl]))
 
     def cancel(self, job_id: str) -> str:
         """Ask a job to stop: ``cancelling``, then ``cancelled`` once no line is running. A job that
-        already ended keeps its status. Raises ``JobNotFound``."""
-        status = _s(self._cancel(keys=self.keys(job_id), args=[repr(time.time()), self.ttl]))
+        already ended keeps its status. Raises ``JobNotFound`` (``JobMalformed``)."""
+        status = _s(self._cancel(keys=self.keys(job_id), args=[self.ttl]))
         if status == "gone":
-            raise JobNotFound(f"no batch job {job_id!r} (never created, or expired)")
+            self._check_exists(job_id)
         return status
 
     def get_status(self, job_id: str) -> str | None:
@@ -395,18 +521,21 @@ class JobStore:
         return None if v is None else _s(v)
 
     def status(self, job_id: str, repair: bool = True) -> BatchJob:
-        """The job's state. Raises ``JobNotFound``. With ``repair``, finishes what a dead
-        finalizer, canceller or submitter left half done (see the module docstring)."""
+        """The job's state. Raises ``JobNotFound`` (``JobMalformed`` for a hash that is no job). With
+        ``repair``, finishes what a dead finalizer, canceller or submitter left half done (see the module
+        docstring)."""
         raw = self.r.hgetall(self.key(job_id))
         if not raw:
-            raise JobNotFound(f"no batch job {job_id!r} (never created, or expired)")
-        job = self._parse(raw)
+            raise _gone(job_id)
+        job = self._parse_or_none(raw)
+        if job is None:
+            raise self._malformed(job_id)
         if repair and not job.is_terminal and self._repair(job_id, job, raw):
             return self.status(job_id, repair=False)
         return job
 
     def _repair(self, job_id: str, job: BatchJob, raw: dict) -> bool:
-        now = time.time()
+        now = self.server_time()
         if job.status == "finalizing" and now - (job.finalizing_at or now) > FINALIZE_STALE_S:
             self.finalize(job_id)
             return True
@@ -414,7 +543,7 @@ class JobStore:
             return self.cancel(job_id) != "cancelling"
         beat = float(_s(raw.get(b"submit_beat", b"0")) or 0)
         if job.status == "validating" and now - beat > SUBMIT_STALE_S:
-            self.end_submit(
+            status = self.end_submit(
                 job_id,
                 None,
                 None,
@@ -426,9 +555,30 @@ class JobStore:
                         "line": None,
                     }
                 ],
+                stale_s=SUBMIT_STALE_S,  # decided again in the script, on the server's clock
             )
-            return True
+            return status != "validating"
         return False
+
+    def _check_exists(self, job_id: str) -> None:
+        """Raise ``JobMalformed`` if the job's hash exists without a status, else ``JobNotFound``."""
+        if self.r.exists(self.key(job_id)):
+            raise self._malformed(job_id)
+        raise _gone(job_id)
+
+    def _malformed(self, job_id: str) -> JobMalformed:
+        self._expire_malformed(keys=self.keys(job_id), args=[self.ttl])
+        return JobMalformed(
+            f"batch job {job_id!r} is malformed in Redis (no id or status: was Redis flushed or replaced while it "
+            f"ran?); it is not a job any more, and its keys expire within {self.ttl} s"
+        )
+
+    @classmethod
+    def _parse_or_none(cls, raw: dict) -> BatchJob | None:
+        try:
+            return cls._parse(raw)
+        except (KeyError, ValueError):  # pydantic's ValidationError is a ValueError
+            return None
 
     @staticmethod
     def _parse(raw: dict) -> BatchJob:
@@ -457,10 +607,10 @@ class JobStore:
         return BatchJob.model_validate(out)
 
     def max_line(self, job_id: str) -> int:
-        v = self.r.hget(self.key(job_id), "max_line")
-        if v is None:
-            raise JobNotFound(f"no batch job {job_id!r} (never created, or expired)")
-        return int(v)
+        status, v = self.r.hmget(self.key(job_id), ["status", "max_line"])
+        if status is None:
+            self._check_exists(job_id)
+        return int(v or 0)
 
     def iter_results(self, job_id: str, chunk: int = 1000) -> Iterator[dict]:
         """The job's records (outputs and errors), in input order, streamed ``chunk`` lines at a time."""
@@ -473,7 +623,7 @@ class JobStore:
                     yield json.loads(raw)
 
     def list(self, limit: int = 20) -> list[BatchJob]:
-        """The newest ``limit`` jobs (expired ones are dropped from the index as they are met)."""
+        """The newest ``limit`` jobs (expired and malformed ones are dropped from the index as they are met)."""
         ids = [_s(j) for j in self.r.zrevrange(self.index_key, 0, max(limit, 1) - 1)]
         with self.r.pipeline(transaction=False) as p:
             for j in ids:
@@ -481,10 +631,13 @@ class JobStore:
             raws = p.execute()
         jobs, gone = [], []
         for j, raw in zip(ids, raws):
+            job = self._parse_or_none(raw) if raw else None
+            if job is not None:
+                jobs.append(job)
+                continue
+            gone.append(j)
             if raw:
-                jobs.append(self._parse(raw))
-            else:
-                gone.append(j)
+                self._expire_malformed(keys=self.keys(j), args=[self.ttl])
         if gone:
             self.r.zrem(self.index_key, *gone)
         return jobs
@@ -528,6 +681,7 @@ __all__ = [
     "JobStore",
     "JobWatch",
     "JobNotFound",
+    "JobMalformed",
     "new_job_id",
     "ACTIVE_STATUSES",
     "STOPPED_STATUSES",

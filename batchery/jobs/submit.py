@@ -9,7 +9,10 @@ job is ``validating`` until the last chunk, then ``in_progress``.
 The job fails as a whole (status ``failed``, a job-level error; lines already queued are skipped
 and running ones aborted) only when it cannot be a job: no request lines (``empty_file``), more
 lines than ``BATCHERY_BATCH__MAX_LINES`` (``too_many_lines``), or the submission itself broke off
-(``submission_interrupted``: Ctrl-C, an unreadable file)."""
+(``submission_interrupted``: Ctrl-C, an unreadable file).
+
+A job that vanishes from Redis during the submission (deleted, or Redis flushed or replaced) raises
+``JobNotFound``: nothing is written to it any more, so no malformed job is left behind."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from batchery.contract.batch import BatchLine, LineError, line_error_record, par
 from batchery.contract.errors import InvalidRequest
 from batchery.contract.names import BATCH_LINE_TASK, ENQUEUED_AT_HEADER
 from batchery.contract.schemas import check_timeout
-from batchery.jobs.store import STOPPED_STATUSES, JobStore, new_job_id
+from batchery.jobs.store import STOPPED_STATUSES, JobNotFound, JobStore, new_job_id
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
@@ -131,7 +134,8 @@ class Submitter:
             return job_id
         if self.total == 0:
             return self._fail("empty_file", "the input has no request lines")
-        self.store.end_submit(job_id, self.total, self.max_line)
+        if self.store.end_submit(job_id, self.total, self.max_line) == "gone":
+            raise self._vanished()
         return job_id
 
     # -- internals --------------------------------------------------------------------------------
@@ -199,7 +203,9 @@ class Submitter:
             status = p.execute()[-1]
         self.total += n
         status = status.decode() if isinstance(status, bytes) else status
-        if status is None or status in STOPPED_STATUSES:
+        if status is None:  # nothing of the chunk was written: the job is gone, so is the submission
+            raise self._vanished()
+        if status in STOPPED_STATUSES:
             self.store.end_submit(self.job_id, self.total, self.max_line)
             return True
         if messages:
@@ -224,6 +230,12 @@ class Submitter:
                     producer=producer,
                     headers={ENQUEUED_AT_HEADER: time.time()},
                 )
+
+    def _vanished(self) -> JobNotFound:
+        return JobNotFound(
+            f"batch job {self.job_id!r} vanished from Redis after {self.total} request lines (deleted, or Redis "
+            "flushed or replaced during the submission); lines already queued are skipped; submit again"
+        )
 
     def _fail(self, code: str, message: str) -> str:
         try:
