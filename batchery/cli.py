@@ -139,7 +139,10 @@ def _print_job(job) -> None:
         for name in ("started", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled")
     ]
     print(f"created:   {_ts(job.created_at)}" + "".join(f"; {n} {_ts(t)}" for n, t in ends if t is not None))
-    print(f"expires:   {_ts(job.expires_at)}")
+    if job.expires_at is not None:
+        print(f"expires:   {_ts(job.expires_at)}")
+    else:
+        print("expires:   BATCHERY_BATCH__TTL after it ends")
     if job.metadata:
         print("metadata:  " + ", ".join(f"{k}={v}" for k, v in job.metadata.items()))
     for e in job.errors:
@@ -179,6 +182,9 @@ def _batch_submit_run(args: argparse.Namespace) -> int:
     except (InvalidRequest, argparse.ArgumentTypeError) as exc:
         print(f"batchery batch submit: {exc}", file=sys.stderr)
         return 2
+    except _job_errors() as exc:
+        print(f"batchery batch submit: {_job_error(exc)}", file=sys.stderr)
+        return 1
     if args.json:
         print(job.model_dump_json())
     else:
@@ -201,17 +207,32 @@ def _batch_id_args(description: str):
     return add
 
 
+def _job_errors() -> tuple[type[Exception], ...]:
+    """What a batch command reports as one line and exit code 1: a job that is gone or malformed
+    (``JobNotFound``, ``JobMalformed``), or a Redis that fails (unreachable, refusing, out of memory)."""
+    import redis
+
+    from batchery.jobs.store import JobNotFound
+
+    return (JobNotFound, redis.RedisError)
+
+
+def _job_error(exc: Exception) -> str:
+    from batchery.jobs.store import JobNotFound
+
+    return str(exc) if isinstance(exc, JobNotFound) else f"Redis error: {type(exc).__name__}: {exc}"
+
+
 def _with_job(fn):
-    """Run ``fn(client, args)``; a missing job is a clear message and exit code 1."""
+    """Run ``fn(client, args)``; a missing or malformed job, or a failing Redis, is a clear message and
+    exit code 1 (never a traceback)."""
 
     def run(args: argparse.Namespace) -> int:
-        from batchery.jobs.store import JobNotFound
-
         try:
             with _client(args) as c:
                 return fn(c, args)
-        except JobNotFound as exc:
-            print(f"batchery batch: {exc}", file=sys.stderr)
+        except _job_errors() as exc:
+            print(f"batchery batch {args.batch_command}: {_job_error(exc)}", file=sys.stderr)
             return 1
 
     return run
@@ -288,8 +309,12 @@ def _batch_list_args(p: argparse.ArgumentParser) -> None:
 
 
 def _batch_list_run(args: argparse.Namespace) -> int:
-    with _client(args) as c:
-        jobs = c.list_batches(args.limit)
+    try:
+        with _client(args) as c:
+            jobs = c.list_batches(args.limit)
+    except _job_errors() as exc:
+        print(f"batchery batch list: {_job_error(exc)}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps([j.model_dump(mode="json") for j in jobs]))
         return 0
@@ -335,8 +360,10 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.description = (
         "Run a JSONL batch file end to end and write the results. Without BATCHERY_BROKER_URL it "
         "starts a private Redis and a worker (BATCHERY_MODEL, default smollm2-135m-instruct), and "
-        "stops them afterwards; with it, it submits to that cluster and waits. Exit 0 when the job "
-        "completed (failed lines go to the errors), 1 if it did not, 130 on Ctrl-C."
+        "stops them afterwards (an embedded worker that exits is restarted up to 3 times); with it, it "
+        "submits to that cluster and waits. Exit 0 when the job completed (failed lines go to the errors), "
+        "1 if it did not, 2 for bad arguments (an output path that is the input or the other output), "
+        "3 when the embedded worker kept exiting (the files then hold the lines that completed), 130 on Ctrl-C."
     )
     p.add_argument("file", help="input .jsonl")
     p.add_argument("-o", "--output", required=True, metavar="OUT.jsonl", help="output file (written atomically)")

@@ -320,8 +320,22 @@ def test_the_cli_on_a_malformed_or_gone_job_says_so(r, prefix, monkeypatch, caps
 
     rc, text = _cli(monkeypatch, capsys, prefix, "list", "--json")
     assert rc == 0 and [j["id"] for j in json.loads(text)] == [good]
+    rc, text = _cli(monkeypatch, capsys, prefix, "status", good)
+    assert rc == 0 and "expires:   BATCHERY_BATCH__TTL after it ends" in text  # a running job does not expire
 
     r.delete(*store.keys(good))
     for argv in (("status", good), ("cancel", good), ("results", good), ("wait", "--timeout", "1", good)):
         rc, text = _cli(monkeypatch, capsys, prefix, *argv)
         assert rc == 1 and f"no batch job {good!r}" in text and "Traceback" not in text, (argv, text)
+
+
+def test_the_cli_on_an_unreachable_redis_says_so(prefix, monkeypatch, capsys):
+    from conftest import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    monkeypatch.setenv("BATCHERY_BROKER_URL", url)
+    monkeypatch.setenv("BATCHERY_RESULT_BACKEND", url)
+    for argv in (("status", "batch_x"), ("list",)):
+        rc = cli.main(["batch", *argv])
+        err = capsys.readouterr().err
+        assert rc == 1 and "Redis error: ConnectionError" in err and "Traceback" not in err, (argv, err)
