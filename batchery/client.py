@@ -292,7 +292,8 @@ class Client:
         return make_submitter(self).run(source, timeout=timeout, priority=priority, metadata=metadata)
 
     def batch_status(self, job: str | BatchJob) -> BatchJob:
-        """The job's state; raises ``batchery.jobs.store.JobNotFound`` (a ``KeyError``) if there is none."""
+        """The job's state; raises ``batchery.jobs.store.JobNotFound`` (a ``KeyError``) if there is none
+        (``JobMalformed``, a subclass, for a job hash left without a status). Timestamps are the Redis server's."""
         return self.jobs.status(_job_id(job))
 
     def wait_batch(
