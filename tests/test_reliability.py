@@ -197,7 +197,9 @@ def test_solo_runs_take_turns_with_held_work(make_service):
     def track(name, fut):
         fut.add_done_callback(lambda f: (lock.acquire(), done.append(name), lock.release()))
 
-    track("normal-0", s.submit(chat("hello", max_tokens=40))[1])
+    # long enough that the 50 ms polls below see it running even on a loaded machine (with 40
+    # tokens it could finish between two looks, and the wait timed out)
+    track("normal-0", s.submit(chat("hello", max_tokens=400))[1])
     wait_for(lambda: s.engine_stats.get("num_running"), 60, what="the first request to run")
     track("solo-a", s.submit(chat("the cat", solo=True, max_tokens=4))[1])
     track("normal-1", s.submit(chat("the dog", max_tokens=4))[1])  # held: a solo run waits

@@ -122,7 +122,7 @@ class Supervisor:
             canary_failed = s.in_canary
             s.in_canary = False
             old_thread = s.loop_thread
-            s.engine = None
+            old_engine, s.engine = s.engine, None
             s.state = EngineState.REBUILDING
             t = triage(s.pending.values(), set(s.step_rids), s.options.solo_attempts)
             s.requeue(t.carried)
@@ -151,6 +151,12 @@ class Supervisor:
                 "quarantine: request %s failed alone %d times; failing it for good", p.request_id, p.solo_failures
             )
             fail([p], poison_error(p, what))
+        if old_engine is not None:
+            # The engine holds its loop through this hook and the loop holds the engine: a cycle,
+            # which only a full GC pass would free, and never once gc.freeze() has frozen it (the
+            # worker freezes its first engine). Broken here, the engine goes with its last reference.
+            old_engine.on_step_start = None
+        del old_engine
         self.release(old_thread, exc)
         del exc
         if canary_failed:
