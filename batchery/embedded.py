@@ -10,12 +10,18 @@
   also get ``PR_SET_PDEATHSIG``: if the command itself is killed outright, the kernel kills them.
 - Every child carries ``BATCHERY_EMBEDDED_RUN=<id>`` in its environment, so a test (or an
   operator) can find any process a run left behind.
+- ``restart_worker()`` replaces a worker that exited. Only that worker consumed from this private
+  Redis, so every message kombu still holds as unacknowledged was its own: they go back to the
+  front of their queues at once, instead of after the visibility timeout (hours by default, as it
+  must outlast the longest deadline). Lines lost between kombu's ``BRPOP`` and its ``unacked``
+  record are re-queued from the job's ledger by the waiting client (``batchery.jobs.recover``).
 
 Logs go to files in the run's directory; on failure the command prints their tails."""
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import secrets
 import shutil
@@ -31,10 +37,37 @@ REDIS_START_S = 15.0
 WORKER_STOP_S = 20.0
 REDIS_STOP_S = 5.0
 _PR_SET_PDEATHSIG = 1
+# logged by the worker once it consumes (batchery.worker.main); the CLI layer cannot import it
+WORKER_READY_LINE = "batchery worker ready"
 
 
 class StackError(RuntimeError):
     """The embedded stack could not start, or one of its processes died."""
+
+
+class WorkerExited(StackError):
+    """The worker process exited: ``returncode`` (negative: killed by that signal), and whether it
+    had become ready (``was_ready``: it had said so in its log) before it exited."""
+
+    def __init__(self, message: str, returncode: int, was_ready: bool) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+        self.was_ready = was_ready
+
+
+def exited(returncode: int) -> str:
+    """``exited with code 3`` or ``exited (killed by SIGKILL)``."""
+    return f"exited with code {returncode}" if returncode >= 0 else f"exited ({describe_exit(returncode)})"
+
+
+def describe_exit(returncode: int) -> str:
+    """``code 3`` or ``killed by SIGKILL``."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"code {returncode}"
 
 
 def redis_server_binary() -> str:
@@ -79,7 +112,8 @@ def tail(path: Path, n: int = 25) -> str:
 
 
 class EmbeddedStack:
-    """``start()`` returns the Redis URL; ``check()`` raises ``StackError`` if a child died;
+    """``start()`` returns the Redis URL; ``check()`` raises ``StackError`` if a child died
+    (``WorkerExited`` for the worker); ``restart_worker()`` replaces a worker that exited;
     ``stop()`` tears everything down (idempotent, bounded in time)."""
 
     def __init__(self, workdir: Path, env: dict[str, str] | None = None, model: str | None = None) -> None:
@@ -94,6 +128,7 @@ class EmbeddedStack:
         self.url: str | None = None
         self.redis_log = self.workdir / "redis.log"
         self.worker_log = self.workdir / "worker.log"
+        self._worker_log_start = 0  # where the current worker's part of the (shared) log begins
 
     def start(self) -> str:
         self.url = self._start_redis()
@@ -182,14 +217,66 @@ class EmbeddedStack:
         env.pop("BATCHERY_QUEUE", None)  # derived from the model, as the submitting client derives it
         repo = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self._worker_log_start = self.worker_log.stat().st_size if self.worker_log.exists() else 0
         self.worker = self._spawn([sys.executable, "-m", "batchery.worker"], env, self.worker_log)
+
+    def worker_was_ready(self) -> bool:
+        """Whether the current worker has said it is ready (consuming)."""
+        try:
+            with open(self.worker_log, "rb") as f:
+                f.seek(self._worker_log_start)
+                return WORKER_READY_LINE.encode() in f.read()
+        except OSError:
+            return False
+
+    def restart_worker(self) -> int:
+        """Start a new worker in place of the one that exited, after handing that worker's
+        unacknowledged messages back to their queues. Returns how many it handed back."""
+        if self.worker is None or self.worker.poll() is None:
+            raise StackError("restart_worker: the worker has not exited")
+        with open(self.worker_log, "ab") as f:
+            f.write(f"--- batchery run: the worker {exited(self.worker.returncode)}; restarting it\n".encode())
+        restored = self._restore_unacked()
+        self._start_worker()
+        return restored
+
+    def _restore_unacked(self) -> int:
+        """What kombu's Redis transport does for a dead worker's messages once they are older than
+        the visibility timeout (``QoS.restore_by_tag``), for all of them now: safe only because
+        no live process consumes from this Redis."""
+        import redis
+        from kombu.transport.redis import Channel
+
+        from batchery.broker.queues import queue_key
+
+        r = redis.Redis.from_url(self.url, socket_connect_timeout=5, socket_timeout=10)
+        restored = 0
+        try:
+            for tag, raw in r.hgetall(Channel.unacked_key).items():
+                try:
+                    message, _exchange, routing_key = json.loads(raw)
+                    message.setdefault("headers", {})["redelivered"] = True
+                    message["properties"].setdefault("delivery_info", {})["redelivered"] = True
+                    key = queue_key(routing_key, message["properties"].get("priority") or 0)
+                except (ValueError, TypeError, KeyError, AttributeError):
+                    continue  # not a kombu message: nothing could run it
+                with r.pipeline(transaction=True) as p:
+                    # RPUSH: the end BRPOP takes next, as kombu's own restore does
+                    p.rpush(key, json.dumps(message))
+                    p.zrem(Channel.unacked_index_key, tag).hdel(Channel.unacked_key, tag)
+                    p.execute()
+                restored += 1
+        finally:
+            r.close()
+        return restored
 
     def check(self) -> None:
         """Raise ``StackError`` if Redis or the worker has exited."""
         if self.redis is not None and self.redis.poll() is not None:
             raise StackError(f"the embedded redis-server exited ({self.redis.returncode}):\n{tail(self.redis_log)}")
         if self.worker is not None and self.worker.poll() is not None:
-            raise StackError(f"the worker exited with code {self.worker.returncode}:\n{tail(self.worker_log)}")
+            rc = self.worker.returncode
+            raise WorkerExited(f"the worker {exited(rc)}:\n{tail(self.worker_log)}", rc, self.worker_was_ready())
 
     def stop(self) -> None:
         """Worker first (warm shutdown, then SIGKILL), then Redis."""

@@ -4,10 +4,17 @@ With no ``BATCHERY_BROKER_URL`` in the environment it brings up the embedded sta
 (``batchery.embedded``: a private Redis and a worker), submits the file, shows the progress bar,
 writes the results and tears everything down. With a broker URL it submits to that cluster and
 waits. Output files appear whole or not at all (a temporary file, fsynced, then renamed), so
-Ctrl-C never leaves a half-written one.
+Ctrl-C never leaves a half-written one. Paths that name the same file (the output or the errors
+being the input, or each other) are refused before anything starts.
+
+An embedded worker that exits after it was serving is restarted, at most ``MAX_WORKER_RESTARTS``
+times (each restart said on stderr); its unfinished lines run on the new one. When it gives up,
+the command still writes every record that exists, in input order, and says how many lines
+completed and how the worker exited.
 
 Exit codes: 0 the job completed (some lines may have failed: see the errors); 1 the job failed or
-was cancelled, or the stack broke; 2 bad arguments or input; 130 interrupted (Ctrl-C, SIGTERM)."""
+was cancelled, or the stack broke; 2 bad arguments or input; 3 the embedded worker kept exiting:
+the files hold the lines that completed, the rest are missing; 130 interrupted (Ctrl-C, SIGTERM)."""
 
 from __future__ import annotations
 
@@ -24,7 +31,17 @@ from pathlib import Path
 EXIT_OK = 0
 EXIT_JOB = 1
 EXIT_USAGE = 2
+EXIT_PARTIAL = 3
 EXIT_INTERRUPTED = 130
+MAX_WORKER_RESTARTS = 3  # an embedded worker that exits after serving is started again this many times
+
+
+class WorkerGaveUp(RuntimeError):
+    """The embedded worker exited once more than it may be restarted; ``exits`` says how, each time."""
+
+    def __init__(self, exits: list[str], last: str) -> None:
+        super().__init__(last)
+        self.exits = exits
 
 
 class Interrupted(KeyboardInterrupt):
@@ -49,6 +66,26 @@ def _atomic_target(path: Path, stack: ExitStack):
 
     stack.callback(discard)
     return f, tmp
+
+
+def clashing_paths(file: str, out: str | None, errors: str | None) -> str | None:
+    """A message when two of the paths name one file (through ``./``, ``..``, symlinks or hard
+    links): an output would overwrite the input, or the errors would replace the output."""
+    roles = [("input", file), ("output (-o)", out), ("errors file (--errors)", errors)]
+    named = [(role, p) for role, p in roles if p is not None and str(p) != "-"]
+    for i, (role_a, a) in enumerate(named):
+        for role_b, b in named[i + 1 :]:
+            ra, rb = Path(a).resolve(), Path(b).resolve()
+            same = ra == rb
+            if not same and ra.exists() and rb.exists():
+                same = os.path.samefile(ra, rb)
+            if same:
+                return (
+                    f"the {role_b} {b} and the {role_a} {a} are the same file ({rb}); "
+                    f"writing the {role_b.split(' (')[0]} would replace the {role_a.split(' (')[0]}: "
+                    "give it another path"
+                )
+    return None
 
 
 def write_results(
@@ -121,6 +158,35 @@ def print_summary(s: dict, out_path, err_path, stream) -> None:
         print(f"  job error: {e['code']}: {e['message']}", file=stream)
 
 
+def watch_stack(stack, exits: list[str]):
+    """``wait_batch``'s ``on_update`` for the embedded stack: a dead Redis ends the run
+    (``StackError``); a worker that exited after it was serving is started again, at most
+    ``MAX_WORKER_RESTARTS`` times, then ``WorkerGaveUp``. ``exits`` collects how each one exited."""
+    from batchery.embedded import WorkerExited, describe_exit, exited, tail
+
+    def check(st) -> None:
+        try:
+            stack.check()
+        except WorkerExited as exc:
+            if st.is_terminal:
+                return  # every line has its record: the exit costs nothing
+            if not exc.was_ready and not exits:
+                raise  # the first worker never served: this model or configuration cannot run here
+            exits.append(describe_exit(exc.returncode))
+            if not exc.was_ready or len(exits) > MAX_WORKER_RESTARTS:
+                raise WorkerGaveUp(exits, str(exc)) from None
+            log_tail = "\n".join("  | " + x for x in tail(stack.worker_log, 3).splitlines())
+            restored = stack.restart_worker()
+            print(
+                f"{chr(10) if sys.stderr.isatty() else ''}batchery run: the worker {exited(exc.returncode)}; "
+                f"restarting it (restart {len(exits)} of {MAX_WORKER_RESTARTS}); {restored} unfinished lines "
+                f"back on the queue\n{log_tail}",
+                file=sys.stderr,
+            )
+
+    return check
+
+
 def run_job(
     file: str,
     out: str,
@@ -146,6 +212,10 @@ def run_job(
     if not Path(file).is_file():
         print(f"batchery run: no such file: {file}", file=sys.stderr)
         return EXIT_USAGE
+    clash = clashing_paths(file, out, errors)
+    if clash is not None:
+        print(f"batchery run: {clash}", file=sys.stderr)
+        return EXIT_USAGE
     embedded = not os.environ.get("BATCHERY_BROKER_URL")
     hint = worker_install_hint("batchery run without BATCHERY_BROKER_URL (an embedded worker)") if embedded else None
     if hint is not None:
@@ -156,6 +226,7 @@ def run_job(
     old = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     stack = client = job_id = None
     workdir = None
+    worker_exits: list[str] = []
     keep_workdir = False
     try:
         try:
@@ -174,12 +245,27 @@ def run_job(
             client = Client(settings=settings)
             job_id = client.submit_batch(file, timeout=timeout, priority=priority, metadata=metadata)
             print(f"batchery run: submitted {file} as {job_id} on queue {settings.queue}", file=sys.stderr)
-            check = (lambda _st: stack.check()) if stack is not None else None
+            check = watch_stack(stack, worker_exits) if stack is not None else None
             job = client.wait_batch(job_id, progress=progress, on_update=check)
             num_ok, num_err = write_results(client.batch_results(job_id), out, errors)
         except (InvalidRequest, ValidationError) as exc:
             print(f"batchery run: {exc}", file=sys.stderr)
             return EXIT_USAGE
+        except WorkerGaveUp as exc:
+            keep_workdir = True
+            job = client.batch_status(job_id)
+            num_ok, num_err = write_results(client.batch_results(job_id), out, errors)
+            print(f"batchery run: {exc}\n(logs kept in {workdir})", file=sys.stderr)
+            where = f"{out}" + (f", errors in {errors}" if errors else "")
+            print(
+                f"batchery run: {num_ok + num_err} of {job.request_counts.total} lines completed; the worker exited "
+                f"{len(exc.exits)} times: {', '.join(exc.exits)}; gave up after {len(exc.exits) - 1} restarts. "
+                f"Wrote the records that exist ({num_ok} ok, {num_err} failed) -> {where}",
+                file=sys.stderr,
+            )
+            if as_json:
+                print(json.dumps({**summary(job, time.monotonic() - t0, num_ok, num_err), "worker_exits": exc.exits}))
+            return EXIT_PARTIAL
         except StackError as exc:
             keep_workdir = True
             print(f"batchery run: {exc}\n(logs kept in {workdir})", file=sys.stderr)
