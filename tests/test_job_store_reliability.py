@@ -339,3 +339,13 @@ def test_the_cli_on_an_unreachable_redis_says_so(prefix, monkeypatch, capsys):
         rc = cli.main(["batch", *argv])
         err = capsys.readouterr().err
         assert rc == 1 and "Redis error: ConnectionError" in err and "Traceback" not in err, (argv, err)
+
+
+def test_a_large_chunk_goes_into_the_ledger_whole(r, prefix):
+    store = make_store(r, prefix)
+    job = new_job(store)
+    with r.pipeline(transaction=False) as p:
+        store.ledger_in(p, job, [(n, f"m{n}") for n in range(1, 10_001)])  # 20,000 arguments
+        store.queue_chunk(p, job, 10_000, 10_000)
+        assert p.execute() == [1, b"validating"]
+    assert len(store.pending_lines(job)) == 10_000 and store.pending_messages(job, [10_000]) == {10_000: "m10000"}

@@ -136,7 +136,9 @@ _LEDGER = (
     + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if status ~= 'validating' then return 0 end
-redis.call('HSET', KEYS[4], unpack(ARGV))
+for i = 1, #ARGV, 1000 do  -- unpack is bounded by Lua's C stack (8000): a chunk of any size goes in pieces
+  redis.call('HSET', KEYS[4], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+end
 return 1
 """
 )
