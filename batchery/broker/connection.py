@@ -17,6 +17,8 @@ log = logging.getLogger("batchery.redis")
 T = TypeVar("T")
 
 REDIS_SCHEMES = ("redis", "rediss", "redis+socket", "socket", "unix")
+REDIS_SOCKET_TIMEOUT_S = 5.0  # one command (or connect) waits at most this long: a paused Redis never blocks us
+REDIS_HEALTH_CHECK_S = 30  # a connection idle this long is PINGed before it is used again
 
 
 def is_redis_url(url: str) -> bool:
@@ -54,10 +56,17 @@ def redis_from_url(url: str, **kwargs: Any) -> Any:
     """A redis-py client for a Redis URL as Celery and kombu spell it (``redis://``, ``rediss://``,
     ``redis+socket:///path``, ``unix:///path``). Each command rides out a short outage (a restart,
     an AOF still loading) with up to 6 retries and exponential backoff, about 3 s in all, and says
-    so in the log."""
+    so in the log. Every socket operation has a timeout (``REDIS_SOCKET_TIMEOUT_S``), so a Redis that
+    stops answering with its TCP connection still up (paused, or a network partition) fails a command
+    within about 7 timeouts instead of blocking the caller for ever; idle connections are
+    health-checked and kept alive. Callers may pass their own values."""
     import redis
 
     kwargs.setdefault("retry", _logging_retry())
+    kwargs.setdefault("socket_timeout", REDIS_SOCKET_TIMEOUT_S)
+    kwargs.setdefault("socket_connect_timeout", REDIS_SOCKET_TIMEOUT_S)
+    kwargs.setdefault("socket_keepalive", True)
+    kwargs.setdefault("health_check_interval", REDIS_HEALTH_CHECK_S)
     parts = urlsplit(url)
     if parts.scheme in ("redis+socket", "socket"):
         q = parse_qs(parts.query)
