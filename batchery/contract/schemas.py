@@ -355,7 +355,7 @@ class BatchJob(_Open):
     """A batch job's state (OpenAI's Batch object, plus Batchery's queue, model and usage).
 
     ``request_counts.total`` grows while the job is ``validating`` (the file is still being read and
-    enqueued) and is final from ``in_progress`` on. Timestamps are ``time.time()`` floats."""
+    enqueued) and is final from ``in_progress`` on. Timestamps are Unix-time floats from the Redis server's clock."""
 
     id: str
     object: Literal["batch"] = "batch"
