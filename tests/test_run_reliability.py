@@ -108,7 +108,7 @@ def test_run_restarts_a_killed_worker_and_completes(tiny_model_dir, tmp_path):
     env, tag = tiny_env(tiny_model_dir)
     src, out, errs = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
     n = 24
-    write_jsonl(src, [chat_line(f"q{i}", "hello", max_tokens=2 if i < 4 else 200) for i in range(n)])
+    write_jsonl(src, [chat_line(f"q{i}", "hello", max_tokens=2 if i < 4 else 500) for i in range(n)])
     err_path = tmp_path / "stderr.txt"
     proc = start_run([str(src), "-o", str(out), "--errors", str(errs)], env, err_path)
     tree = Tree(proc.pid)
