@@ -56,6 +56,10 @@ class StepContext:
         text = self.prompt_text(seq) if self.prompt_text is not None else None
         return text if text is not None else cast(Decoder, self.engine.tokenizer).decode(seq.prompt_token_ids)
 
+    def holds(self, text: str) -> bool:
+        """Whether a request of this step has ``text`` in its prompt."""
+        return any(text in self.text_of(seq) for seq in self.seqs)
+
 
 class Fault:
     """One injected fault. Hooks default to doing nothing."""
@@ -97,12 +101,11 @@ class Poison(Fault):
     spec: str = ""
 
     def before_step(self, ctx: StepContext) -> None:
-        for seq in ctx.seqs:
-            if self.text in ctx.text_of(seq):
-                raise InjectedFault(
-                    f"injected fault {self.spec!r}: engine step {ctx.step} holds a poisoned "
-                    f"request ({len(ctx.seqs)} in the batch)"
-                )
+        if ctx.holds(self.text):
+            raise InjectedFault(
+                f"injected fault {self.spec!r}: engine step {ctx.step} holds a poisoned "
+                f"request ({len(ctx.seqs)} in the batch)"
+            )
 
 
 EXIT_ON_CODE = 70  # the exit status of a process ended by ``exit_on`` (EX_SOFTWARE)
@@ -114,15 +117,14 @@ class ExitOn(Fault):
     spec: str = ""
 
     def before_step(self, ctx: StepContext) -> None:
-        for seq in ctx.seqs:
-            if self.text in ctx.text_of(seq):
-                log.critical(
-                    "injected fault %r: engine step %d holds a request that ends the process (exit %d)",
-                    self.spec,
-                    ctx.step,
-                    EXIT_ON_CODE,
-                )
-                os._exit(EXIT_ON_CODE)
+        if ctx.holds(self.text):
+            log.critical(
+                "injected fault %r: engine step %d holds a request that ends the process (exit %d)",
+                self.spec,
+                ctx.step,
+                EXIT_ON_CODE,
+            )
+            os._exit(EXIT_ON_CODE)
 
 
 @dataclass
