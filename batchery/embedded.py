@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from batchery.broker.connection import redis_from_url
+
 RUN_MARKER = "BATCHERY_EMBEDDED_RUN"
 REDIS_START_S = 15.0
 WORKER_STOP_S = 20.0
@@ -187,7 +189,8 @@ class EmbeddedStack:
     def _wait_redis(proc: subprocess.Popen, url: str) -> bool:
         import redis
 
-        client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1.0)
+        # one quick try per poll (retry=None): this loop is the retry
+        client = redis_from_url(url, retry=None, socket_connect_timeout=0.5, socket_timeout=1.0)
         deadline = time.monotonic() + REDIS_START_S
         try:
             while time.monotonic() < deadline:
@@ -244,12 +247,11 @@ class EmbeddedStack:
         """What kombu's Redis transport does for a dead worker's messages once they are older than
         the visibility timeout (``QoS.restore_by_tag``), for all of them now: safe only because
         no live process consumes from this Redis."""
-        import redis
         from kombu.transport.redis import Channel
 
         from batchery.broker.queues import queue_key
 
-        r = redis.Redis.from_url(self.url, socket_connect_timeout=5, socket_timeout=10)
+        r = redis_from_url(self.url, socket_connect_timeout=5, socket_timeout=10)
         restored = 0
         try:
             for tag, raw in r.hgetall(Channel.unacked_key).items():
