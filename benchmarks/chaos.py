@@ -31,6 +31,20 @@ The scenarios (issue 5):
    ``deadline_exceeded`` and the KV pool returns to full. Recovery: from the job's end until the
    pool is full again.
 
+Issue 13 added:
+
+9. ``invalid-for-model``: lines whose parameters pass the schemas but not the model (a stop token id
+   beyond the vocabulary with ``min_tokens``; a ``top_k`` beyond any vocabulary) among good lines: only
+   the first kind fails, as ``invalid_request``; no engine step fails.
+10. ``rebuild-rss``: a step raises every 20 steps until the engine was rebuilt 20 times; the worker's RSS
+   after the last rebuild is within half a KV pool of its RSS after the second.
+11. ``ttl``: a job waits on a queue with no worker for longer than ``BATCHERY_BATCH__TTL`` (60 s), then
+   a worker starts: the job completes, and only then gets its TTL.
+12. ``clock-ahead``: a client whose clock runs 125 s ahead polls a submission that is still streaming:
+   it is not failed as ``submission_interrupted``.
+13. ``run-worker-exit``: ``batchery run``'s embedded worker SIGKILLed mid-job: restarted, every line
+   written once, exit 0.
+
 In every row lost and duplicated must be 0 and failed must be exactly the lines meant to fail; the
 exit code is 1 otherwise. Everything runs against ``--redis`` (its own database, default 12) or a
 private Redis, with its own queues and key prefixes, deleted afterwards. Usage::
@@ -141,6 +155,11 @@ class Sizes:
     task_timeout: float = 20.0  # per-attempt deadline; the visibility timeout follows it
     job_timeout: float = 300.0
     recover_after: float = 10.0  # no progress for this long: the client looks for lines the broker lost
+    invalid_requests: int = 200  # 9: every 5th line asks for a token id the model does not have
+    rss_rebuilds: int = 20  # 10: engine rebuilds to measure the worker's RSS over
+    job_ttl: int = 60  # 11: BATCHERY_BATCH__TTL (its minimum): the job waits longer than this before it runs
+    clock_skew_s: float = 125.0  # 12: how far ahead the second client's clock is
+    run_requests: int = 40  # 13: lines of the `batchery run` job whose worker is SIGKILLed
 
     @classmethod
     def fast(cls) -> Sizes:
@@ -159,6 +178,8 @@ class Sizes:
             task_timeout=10.0,
             job_timeout=120.0,
             recover_after=5.0,
+            invalid_requests=30,
+            run_requests=16,
         )
 
     @property
@@ -845,6 +866,305 @@ class Chaos:
         w.stop()
         return row
 
+    def invalid_for_model(self) -> Row:
+        """Item 1: parameters that pass the schemas but not the model, among good lines: a Llama-3 stop
+        token id (128009) with ``min_tokens`` 1 on a model with a smaller vocabulary (fails alone as
+        ``invalid_request``, 400), and a ``top_k`` beyond any vocabulary (clamped: it succeeds). No
+        engine step may fail."""
+        s = self.sizes
+        q = self.new_queue()
+        w = self.spawn(q)
+        c = self.client(q)
+        n = s.invalid_requests
+        lines = self.lines(n)
+        bad = set(range(0, n, 5))
+        for i in bad:
+            lines[i]["body"].update(stop_token_ids=[128009], min_tokens=1)
+        for i in range(2, n, 5):
+            lines[i]["body"].update(top_k=2**63 + 1, temperature=0.8, seed=i)
+        job = c.submit_batch(lines)
+        self.wait_job(c, job)
+        stats = w.stats()
+        records = {r["custom_id"]: r for r in c.batch_results(job)}
+        named = all(
+            "128009" in ((records.get(lines[i]["custom_id"]) or {}).get("error") or {}).get("message", "") for i in bad
+        )
+        row = self.tally(
+            f"9. {len(bad)} lines with a token id beyond the vocabulary, {len(range(2, n, 5))} with a huge top_k",
+            c,
+            job,
+            lines,
+            expected_failed={lines[i]["custom_id"]: "invalid_request" for i in bad},
+            recovery_s=None,
+            checks={"no engine step failed": stats["num_failures"] == 0, "the error names the token id": named},
+        )
+        w.stop()
+        return row
+
+    def rebuild_rss(self) -> Row:
+        """Item 3: a worker whose engine fails and is rebuilt ``rss_rebuilds`` times (a step raises every
+        20 steps) keeps a flat RSS: each rebuild frees the old engine and its 64 MiB KV pool."""
+        s = self.sizes
+        q = self.new_queue()
+        pool_blocks = 16384  # 64 MiB on the tiny model: 2 layers x K,V x 8 slots x 2 heads x 16 dims x 4 bytes
+        pool = {"BATCHERY_ENGINE__NUM_KV_BLOCKS": str(pool_blocks)} if self.num_kv_blocks else {}
+        w = self.spawn(q, BATCHERY_FAULTS="step_raise_every:20", **pool, **self.SMALL)
+        c = self.client(q)
+        samples: list[tuple[int, int]] = []  # (rebuilds, RSS bytes)
+
+        def rss() -> int:
+            with open(f"/proc/{w.proc.pid}/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+        lines: list[dict] = []
+        job_ids = []
+        while True:
+            n = w.stats()["num_rebuilds"]
+            samples.append((n, rss()))
+            if n >= s.rss_rebuilds:
+                break
+            part = self.lines(80, prefix=f"rss{len(job_ids)}", max_tokens=8)
+            lines += part
+            job_ids.append(c.submit_batch(part))
+            self.wait_job(c, job_ids[-1])
+        after_2 = next(b for r, b in samples if r >= 2)
+        grown = samples[-1][1] - after_2
+        verbose, self.verbose = self.verbose, False  # one row for all the jobs, said below
+        rows = [
+            self.tally(
+                "",
+                c,
+                j,
+                [ln for ln in lines if ln["custom_id"].startswith(f"rss{k}-")],
+                expected_failed={},
+                recovery_s=None,
+            )
+            for k, j in enumerate(job_ids)
+        ]
+        self.verbose = verbose
+        row = Row(
+            f"10. {samples[-1][0]} engine rebuilds, RSS after rebuild 2 vs the last",
+            sum(r.requests for r in rows),
+            sum(r.completed for r in rows),
+            sum(r.failed for r in rows),
+            sum(r.lost for r in rows),
+            sum(r.duplicated for r in rows),
+            None,
+            0,
+            [u for r in rows for u in r.unexpected],
+            {
+                "jobs completed": all(r.checks.get("job completed") for r in rows),
+                "RSS grew less than half a KV pool (32 MiB)": grown < (32 << 20),
+            },
+            f"RSS {after_2 / 2**20:.0f} MiB after rebuild 2, {samples[-1][1] / 2**20:.0f} MiB after rebuild "
+            f"{samples[-1][0]} ({grown / 2**20:+.1f} MiB); a KV pool is 64 MiB",
+        )
+        self.say(f"rss: {'ok' if row.ok else 'NOT OK'} {row.cells()} {row.checks} {row.notes}")
+        w.stop()
+        return row
+
+    def outlives_ttl(self) -> Row:
+        """Item 4: a job that runs longer than ``BATCHERY_BATCH__TTL`` (it waits on a queue with no worker for
+        TTL + 10 s, then a worker starts) completes with all its records, and expires a TTL after it ends."""
+        s = self.sizes
+        q = self.new_queue()
+        c = self.client(q)
+        c.jobs.ttl = s.job_ttl
+        lines = self.lines(20)
+        job = c.submit_batch(lines)
+        t0 = time.time()
+        self.say(f"ttl: job {job} queued with no worker; waiting {s.job_ttl + 10} s (TTL {s.job_ttl} s)")
+        time.sleep(s.job_ttl + 10)
+        alive = c.jobs.r.exists(c.jobs.key(job)) == 1 and c.jobs.r.ttl(c.jobs.key(job)) == -1
+        w = self.spawn(q, BATCHERY_BATCH__TTL=str(s.job_ttl))
+        end = self.wait_job(c, job)
+        key_ttl = c.jobs.r.ttl(c.jobs.key(job))
+        results_ttl = c.jobs.r.ttl(c.jobs.keys(job)[1])
+        row = self.tally(
+            f"11. a job outlives its TTL ({s.job_ttl} s) before it ends",
+            c,
+            job,
+            lines,
+            expected_failed={},
+            recovery_s=None,
+            checks={
+                "job kept, without expiry, while it ran": alive,
+                "TTL counts from the end": 0 < key_ttl <= s.job_ttl and 0 < results_ttl <= s.job_ttl,
+                "expires_at = completed_at + TTL": abs((end.expires_at or 0) - (end.completed_at or 0) - s.job_ttl) < 1,
+            },
+            notes=f"job ran {time.time() - t0:.0f} s; its keys expire in {key_ttl} s",
+        )
+        w.stop()
+        return row
+
+    def clock_ahead(self) -> Row:
+        """Item 9: while a submission is still streaming (``validating``, 12 s), a second client whose clock
+        runs ``clock_skew_s`` ahead keeps asking for the job's status (which repairs jobs whose submitter
+        died, judged by heartbeats): the live submission is not failed, and the job completes."""
+        s = self.sizes
+        q = self.new_queue()
+        w = self.spawn(q)
+        c = self.client(q)
+        lines = self.lines(60)
+        job_box: list[str] = []
+
+        def slow_lines():
+            for i, ln in enumerate(lines):
+                if i and i % 5 == 0:
+                    time.sleep(1.0)
+                yield ln
+
+        submit = threading.Thread(target=lambda: job_box.append(c.submit_batch(slow_lines())), daemon=True)
+        submit.start()
+        wait_until(lambda: c.jobs.list(limit=1), 30, "the job to be created")
+        job = c.jobs.list(limit=1)[0].id
+        script = (
+            "import sys, time, json\n"
+            "real = time.time\n"
+            f"time.time = lambda: real() + {s.clock_skew_s}\n"
+            "from batchery.jobs.store import JobStore\n"
+            "from batchery.broker.connection import redis_from_url\n"
+            f"store = JobStore(redis_from_url({self.redis_url!r}), {q + ':batch'!r}, 3600)\n"
+            "seen = []\n"
+            "end = real() + 15\n"
+            "while real() < end:\n"
+            f"    st = store.status({job!r})\n"
+            "    seen.append(st.status)\n"
+            "    if st.is_terminal: break\n"
+            "    time.sleep(0.2)\n"
+            "print(json.dumps(seen))\n"
+        )
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        seen = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else []
+        submit.join(60)
+        self.wait_job(c, job)
+        st = c.batch_status(job)
+        row = self.tally(
+            f"12. a client {s.clock_skew_s:.0f} s ahead polls a live submission",
+            c,
+            job,
+            lines,
+            expected_failed={},
+            recovery_s=None,
+            checks={
+                "the skewed client saw the submission live": "validating" in seen,
+                "no submission_interrupted": not any(e.code == "submission_interrupted" for e in st.errors),
+            },
+            notes=f"{len(seen)} status calls from the skewed client"
+            + ("" if out.returncode == 0 else out.stderr[-300:]),
+        )
+        w.stop()
+        return row
+
+    def run_worker_exit(self) -> Row:
+        """Item 10: ``batchery run`` (embedded Redis and worker) whose worker is SIGKILLed mid-job restarts it
+        and writes every line once, in input order, exit 0."""
+        s = self.sizes
+        d = self.workdir / f"run-{uuid.uuid4().hex[:6]}"
+        d.mkdir()
+        src, out, errs, stderr_path = d / "in.jsonl", d / "out.jsonl", d / "errors.jsonl", d / "stderr.txt"
+        lines = self.lines(s.run_requests, prefix="run", max_tokens=s.kill_max_tokens * 4)
+        src.write_text("".join(json.dumps(ln) + "\n" for ln in lines))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHERY_")}
+        env.update(
+            {
+                "PYTHONPATH": str(REPO),
+                "TOKENIZERS_PARALLELISM": "false",
+                "BATCHERY_MODEL": self.model,
+                "BATCHERY_DTYPE": self.dtype,
+                "BATCHERY_MAX_NUM_SEQS": "8",
+                "BATCHERY_ENGINE__MAX_MODEL_LEN": "2048",
+            }
+        )
+        if self.num_kv_blocks:
+            env["BATCHERY_ENGINE__NUM_KV_BLOCKS"] = str(self.num_kv_blocks)
+        with open(stderr_path, "wb") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "batchery", "run", str(src), "-o", str(out), "--errors", str(errs)],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                start_new_session=True,
+            )
+        t_kill = None
+        try:
+
+            def worker_log() -> str:
+                m = re.search(r"worker log (\S+)\)", stderr_path.read_text(errors="replace"))
+                return Path(m.group(1)).read_text(errors="replace") if m and Path(m.group(1)).exists() else ""
+
+            wait_until(
+                lambda: proc.poll() is not None or re.search(r"batch_line\[\S+\] succeeded", worker_log()),
+                300,
+                "the embedded worker to finish its first lines",
+                0.1,
+            )
+            pid = _descendant(proc.pid, b"batchery.worker")
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                t_kill = time.time()
+                self.say(f"run: SIGKILLed the embedded worker {pid}")
+            proc.wait(s.job_timeout)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        stderr = stderr_path.read_text(errors="replace")
+        got = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+        bad = [json.loads(x) for x in errs.read_text().splitlines()] if errs.exists() else []
+        per_id = Counter(r["custom_id"] for r in got + bad)
+        ids = [ln["custom_id"] for ln in lines]
+        row = Row(
+            "13. `batchery run`: its worker SIGKILLed mid-job",
+            len(lines),
+            len(got),
+            len(bad),
+            sum(1 for cid in ids if per_id[cid] == 0),
+            sum(n - 1 for n in per_id.values() if n > 1),
+            None,
+            0,
+            [r["custom_id"] for r in bad],
+            {
+                "the worker was killed": t_kill is not None,
+                "restarted (said on stderr)": "restarting it (restart 1 of 3)" in stderr,
+                "exit 0": proc.returncode == 0,
+                "input order": [r["custom_id"] for r in got] == ids[: len(got)],
+            },
+            f"exit {proc.returncode}",
+        )
+        self.say(f"run: {'ok' if row.ok else 'NOT OK'} {row.cells()} {row.checks}")
+        if not row.ok:
+            self.say(stderr[-2000:])
+        return row
+
+
+def _descendant(root: int, needle: bytes) -> int | None:
+    """A live descendant of ``root`` whose command line contains ``needle``."""
+    parents, changed = {root}, True
+    procs = {}
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    procs[int(p)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                pass
+    while changed:
+        changed = False
+        for pid, ppid in procs.items():
+            if ppid in parents and pid not in parents:
+                parents.add(pid)
+                changed = True
+    for pid in sorted(parents - {root}):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if needle in f.read():
+                    return pid
+        except OSError:
+            pass
+    return None
+
 
 SCENARIOS = {
     "raise": Chaos.engine_raise,
@@ -855,6 +1175,11 @@ SCENARIOS = {
     "poison": Chaos.poison,
     "oom": Chaos.oom,
     "deadlines": Chaos.deadlines,
+    "invalid-for-model": Chaos.invalid_for_model,
+    "rebuild-rss": Chaos.rebuild_rss,
+    "ttl": Chaos.outlives_ttl,
+    "clock-ahead": Chaos.clock_ahead,
+    "run-worker-exit": Chaos.run_worker_exit,
 }
 
 
