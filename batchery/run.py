@@ -201,12 +201,14 @@ def run_job(
 ) -> int:
     """The ``batchery run`` command. Returns the exit code."""
     from pydantic import ValidationError
+    from redis.exceptions import RedisError
 
     from batchery.client import Client
     from batchery.contract.errors import InvalidRequest
     from batchery.contract.installs import worker_install_hint
-    from batchery.contract.settings import Settings
+    from batchery.contract.settings import Settings, mask_url
     from batchery.embedded import EmbeddedStack, StackError
+    from batchery.jobs.store import JobNotFound
 
     t0 = time.monotonic()
     if not Path(file).is_file():
@@ -224,7 +226,7 @@ def run_job(
         )
         return EXIT_USAGE
     old = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-    stack = client = job_id = None
+    stack = client = job_id = settings = None
     workdir = None
     worker_exits: list[str] = []
     keep_workdir = False
@@ -269,6 +271,20 @@ def run_job(
         except StackError as exc:
             keep_workdir = True
             print(f"batchery run: {exc}\n(logs kept in {workdir})", file=sys.stderr)
+            return EXIT_JOB
+        except (JobNotFound, RedisError) as exc:
+            # A Redis that is unreachable or refuses us, or a job that vanished with it (flushed, replaced):
+            # one clear line, never a traceback. Nothing is written: there are no records to trust.
+            where = mask_url(settings.broker_url) if settings is not None else "Redis"
+            what = str(exc) if isinstance(exc, JobNotFound) else f"{type(exc).__name__}: {exc}"
+            print(
+                f"batchery run: {'the job is gone: ' if isinstance(exc, JobNotFound) else ''}{what} "
+                f"({where}{f'; job {job_id}' if job_id else ''}); no output written",
+                file=sys.stderr,
+            )
+            if workdir is not None:
+                keep_workdir = True
+                print(f"batchery run: logs kept in {workdir}", file=sys.stderr)
             return EXIT_JOB
         except KeyboardInterrupt as exc:
             why = f"{exc}" if isinstance(exc, Interrupted) else "Ctrl-C"

@@ -163,3 +163,25 @@ def test_run_gives_up_after_bounded_restarts_and_writes_what_completed(tiny_mode
     assert "poison" not in ids
     assert re.search(r"\(logs kept in \S+\)", stderr)
     assert leftovers(tag, tree) == []
+
+
+# -- item 13: a Redis that cannot be reached ends in one clear line ------------------------------------------
+def test_run_on_an_unreachable_cluster_says_so_without_a_traceback(tmp_path):
+    from conftest import free_port
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(src, [chat_line("q0", "hello")])
+    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"  # nothing listens there
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHERY_")}
+    env.update(BATCHERY_BROKER_URL=url, BATCHERY_RESULT_BACKEND=url, PYTHONPATH=str(Path(__file__).parents[1]))
+    err_path = tmp_path / "stderr.txt"
+    proc = start_run([str(src), "-o", str(out)], env, err_path)
+    proc.wait(120)
+    stderr = err_path.read_text()
+    assert proc.returncode == 1, stderr
+    assert "Traceback" not in stderr, stderr
+    assert re.search(
+        r"batchery run: ConnectionError: .*\(redis://:\*\*\*@127\.0\.0\.1:\d+/0\); no output written", stderr
+    )
+    assert "hunter2" not in stderr
+    assert not out.exists()
