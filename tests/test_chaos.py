@@ -82,6 +82,25 @@ def test_8_deadlines_under_load_free_the_kv_pool(harness):
     assert row.completed == 0 and row.failed == row.requests
 
 
+def test_9_parameters_the_model_cannot_take_fail_alone(harness):
+    row = harness.invalid_for_model()
+    check(row, harness)
+    assert row.failed > 0 and row.completed == row.requests - row.failed
+
+
+def test_10_rss_stays_flat_over_20_rebuilds(harness):
+    check(harness.rebuild_rss(), harness)
+
+
+def test_12_a_client_clock_ahead_does_not_fail_a_live_submission(harness):
+    check(harness.clock_ahead(), harness)
+
+
+# row 11 (a job that outlives its 60 s TTL) is the benchmark's only: tests/test_job_store_reliability.py
+# keeps the same promise with a short TTL; row 13 (`batchery run`'s worker killed) is
+# tests/test_run_reliability.py's.
+
+
 def test_nothing_left_behind(harness):
     """The scenarios' queues, jobs and unacknowledged messages are gone after cleanup."""
     harness.cleanup()
