@@ -2,6 +2,8 @@
 
 Thin, like the chat tasks it reuses (``batchery.tasks.chat.run_chat`` / ``run_completion``):
 
+0. check the message (``batchery.tasks.messages``): one that is none of ours (a line the job never
+   queued, a custom_id out of bounds, ...) is logged and dead-lettered and never touches the job;
 1. claim the line (``JobStore.claim``): skip it if the job is cancelling, cancelled, failed or gone,
    or if the line already has a record (a redelivered message);
 2. run it, polling the job while waiting, so a cancel aborts it in the engine;
@@ -22,11 +24,13 @@ import logging
 
 from celery.exceptions import Reject, Retry
 
-from batchery.broker.connection import retry_through_outage
+from batchery.broker.connection import is_redis_url, retry_through_outage
 from batchery.contract.batch import CHAT_URL, COMPLETIONS_URL, error_record, output_record
 from batchery.contract.errors import BatcheryError, InvalidRequest, RequestCancelled
 from batchery.contract.outcomes import LineOutcome, Outcome
+from batchery.jobs.deadletter import INVALID_MESSAGE, short
 from batchery.jobs.store import LEASE_GRACE_S, JobStore
+from batchery.tasks import messages, redelivery
 from batchery.tasks.chat import resolve_timeout, run_chat, run_completion
 from batchery.tasks.stores import job_store
 
@@ -42,6 +46,13 @@ def batch_line(
     """Run line ``line`` of batch job ``job``; returns what happened (for the worker log and metrics)."""
     store, watch = job_store(self.app)
     settings = self.app.batchery_settings
+    problem = messages.check_kwargs(self.request.id, job, line, custom_id, url, body, timeout, priority)
+    if problem is None:
+        problem = _retrying(
+            f"checking line {line} of {job}", messages.check_in_job, store, job, line, is_redis_url(settings.broker_url)
+        )
+    if problem is not None:
+        return _refuse(self, problem)
     try:
         lease = resolve_timeout(timeout, settings) + settings.retry_backoff_max + LEASE_GRACE_S
     except InvalidRequest:
@@ -87,6 +98,18 @@ def batch_line(
         usage.get("prompt_tokens", 0),
         usage.get("completion_tokens", 0),
     )
+
+
+def _refuse(task, problem: str) -> LineOutcome:
+    """A message that is none of ours: logged and dead-lettered; the job is not touched."""
+    stored = redelivery.dead_letter(task, INVALID_MESSAGE, problem)
+    log.error(
+        "batch line message %s refused, %s: %s",
+        short(task.request.id, 120),
+        "dead-lettered" if stored else "dropped (the dead-letter list is unreachable)",
+        problem,
+    )
+    return LineOutcome(Outcome.SKIPPED, "invalid message, dead-lettered" if stored else "invalid message")
 
 
 def _store(

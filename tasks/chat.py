@@ -11,6 +11,8 @@ Error policy:
   worker of the queue; one that was in the failing step is a strike, and a request with
   ``BATCHERY_QUARANTINE__AFTER`` strikes runs alone (``batchery.tasks.quarantine``);
 - ``EngineCrash`` (it failed alone too: poison) -> fails for good, not retried;
+- a request whose deliveries died with their worker process ``BATCHERY_MAX_DELIVERIES`` times
+  (``batchery.tasks.redelivery``) -> ``EngineCrash`` before it runs, its message dead-lettered;
 - this worker cannot serve (``EngineUnavailable``: warm shutdown, or its engine is given up
   on) -> the message goes back to the queue untouched (``Reject(requeue=True)``)."""
 
@@ -50,7 +52,7 @@ from batchery.contract.schemas import (
     check_timeout,
     describe_validation_error,
 )
-from batchery.tasks import quarantine
+from batchery.tasks import quarantine, redelivery
 
 CANCEL_POLL_S = 0.25  # how often a cancellable request checks its job while it waits
 
@@ -125,9 +127,10 @@ def _generate(task, gen: GenerationRequest, timeout, cancelled: Callable[[], boo
         if service is None:
             raise EngineUnavailable("this process has no engine service (not a batchery worker)")
         gen = quarantine.prepare(task, gen)
-        if cancelled is None:
-            return service.generate(gen, deadline)
-        return _generate_cancellable(service, gen, deadline, cancelled)
+        with redelivery.attempt(task, gen, deadline) as (gen, left):  # counted before the engine sees it
+            if cancelled is None:
+                return service.generate(gen, left)
+            return _generate_cancellable(service, gen, left, cancelled)
     except EngineUnavailable as exc:
         # This worker cannot serve (shutting down, or its engine is gone for good): hand the
         # message back untouched for another worker, without spending a retry.

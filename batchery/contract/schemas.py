@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from batchery.contract.errors import InvalidRequest
 
 MAX_MESSAGES = 1024
-MAX_TEXT_CHARS = 1_000_000  # total characters of prompt text per request
+MAX_CONTENT_PARTS = 1024  # content parts per request, all messages together
+MAX_TEXT_CHARS = 1_000_000  # total characters of prompt text per request (a content part counts at least 1)
 MAX_PROMPT_TOKEN_IDS = 1 << 17
 MAX_TOKENS_LIMIT = 1 << 17
 MAX_STOP = 16
@@ -63,13 +64,15 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
+    content: Text | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: ShortText | None = None
 
     @field_validator("content", mode="before")
     @classmethod
     def _only_text_parts(cls, v: Any) -> Any:
         if isinstance(v, list):
+            if len(v) > MAX_CONTENT_PARTS:  # refused before a model is built for each part
+                raise ValueError(f"a message may have at most {MAX_CONTENT_PARTS} content parts, got {len(v)}")
             for part in v:
                 if isinstance(part, dict) and part.get("type") not in (None, "text"):
                     raise ValueError(f"content parts of type {part.get('type')!r} are not supported; only text")
@@ -81,6 +84,17 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.content) if isinstance(self.content, list) else 0
+
+    @property
+    def num_chars(self) -> int:
+        """Characters toward ``MAX_TEXT_CHARS``: an empty part still counts one, so none is free."""
+        if isinstance(self.content, list):
+            return sum(max(1, len(p.text)) for p in self.content)
+        return len(self.text())
 
 
 class _SamplingFields(_Strict):
@@ -169,9 +183,14 @@ class ChatCompletionRequest(_SamplingFields):
             and self.max_tokens != self.max_completion_tokens
         ):
             raise ValueError("max_tokens and max_completion_tokens disagree; set one")
-        total = sum(len(m.text()) for m in self.messages)
+        parts = sum(m.num_parts for m in self.messages)
+        if parts > MAX_CONTENT_PARTS:
+            raise ValueError(f"the messages hold {parts} content parts; the limit is {MAX_CONTENT_PARTS}")
+        total = sum(m.num_chars for m in self.messages)
         if total > MAX_TEXT_CHARS:
-            raise ValueError(f"the messages hold {total} characters; the limit is {MAX_TEXT_CHARS}")
+            raise ValueError(
+                f"the messages hold {total} characters (an empty content part counts 1); the limit is {MAX_TEXT_CHARS}"
+            )
         return self
 
     @property

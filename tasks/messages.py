@@ -1,0 +1,70 @@
+"""Checks on a ``batchery.batch_line`` message before it may touch its job.
+
+Anyone with access to the broker can publish a ``batchery.batch_line`` message by hand. The job store
+counts every new record, so a forged line (0, negative, above the job's last line, or a line that was
+never queued, such as a blank line of the input) would count and could finalize the job early, and an
+unbounded ``custom_id`` would be copied into every log line of its task. So a message must look like
+one our submitter wrote (``batchery.jobs.submit``):
+
+- kwargs of the right types: ``job`` and ``custom_id`` non-empty strings within bounds (a custom_id as
+  ``batchery.contract.batch`` bounds it), ``line`` an integer from 1, ``url`` a supported endpoint,
+  ``body`` an object, ``timeout`` a positive number or null, ``priority`` 0..9;
+- its task id is ``{job}-{line}``;
+- in the job: ``line`` is at most the job's ``max_line`` (the submitter records a chunk's last line
+  before it publishes the chunk), and, on a Redis broker, the line's message was queued (the job's
+  ``pending`` ledger holds it until the line is recorded) or the line already has its record (a
+  redelivery, skipped as usual).
+
+A message that fails is logged (its values cut short) and dead-lettered, and writes nothing to the job."""
+
+from __future__ import annotations
+
+from batchery.contract.batch import ENDPOINTS, MAX_CUSTOM_ID_CHARS
+from batchery.jobs.deadletter import short
+from batchery.jobs.store import ACTIVE_STATUSES
+
+MAX_JOB_ID_CHARS = 128
+
+
+def check_kwargs(task_id, job, line, custom_id, url, body, timeout, priority) -> str | None:
+    """What is wrong with a batch-line message on its own (None: nothing)."""
+    if not isinstance(job, str) or not 0 < len(job) <= MAX_JOB_ID_CHARS:
+        return f"job must be a string of 1-{MAX_JOB_ID_CHARS} characters, got {short(job, 80)}"
+    if isinstance(line, bool) or not isinstance(line, int) or line < 1:
+        return f"line must be an integer from 1, got {short(line, 40)}"
+    if not isinstance(custom_id, str) or not 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS:
+        size = f"{len(custom_id)} characters" if isinstance(custom_id, str) else type(custom_id).__name__
+        return f"custom_id must be a string of 1-{MAX_CUSTOM_ID_CHARS} characters, got {size}"
+    if not isinstance(url, str) or url not in ENDPOINTS:
+        return f"url must be one of {', '.join(ENDPOINTS)}, got {short(url, 80)}"
+    if not isinstance(body, dict):
+        return f"body must be an object, got {type(body).__name__}"
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        return f"timeout must be a positive number or null, got {short(timeout, 40)}"
+    if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 9:
+        return f"priority must be an integer from 0 to 9, got {short(priority, 40)}"
+    if task_id != f"{job}-{line}":
+        return f"the task id of line {line} of {job} must be {job}-{line}, got {short(task_id, 80)}"
+    return None
+
+
+def check_in_job(store, job: str, line: int, ledger: bool) -> str | None:
+    """What is wrong with line ``line`` of ``job`` while the job runs (None: nothing; or the job is gone
+    or stopped, which the claim then reports). ``ledger``: the submitter keeps a pending ledger (a Redis
+    broker)."""
+    job_key, results, _running, pending = store.keys(job)
+    with store.r.pipeline(transaction=True) as p:
+        p.hmget(job_key, ["status", "max_line"])
+        p.hexists(results, str(line))
+        p.hexists(pending, str(line))
+        (status, max_line), recorded, queued = p.execute()
+    if isinstance(status, bytes):
+        status = status.decode()
+    if status not in ACTIVE_STATUSES:
+        return None  # gone, or stopped or ended: the claim skips the line, nothing is written
+    max_line = int(max_line or 0)
+    if line > max_line:
+        return f"line {line} is beyond the last line of {job} ({max_line})"
+    if ledger and not recorded and not queued:
+        return f"line {line} of {job} was never queued (it is not in the job's pending ledger)"
+    return None
