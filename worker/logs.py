@@ -28,6 +28,8 @@ import re
 import sys
 from datetime import UTC, datetime
 
+from batchery.contract.batch import MAX_CUSTOM_ID_CHARS
+
 TEXT_FORMAT = "%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s"
 CONTEXT_FIELDS = ("task_id", "task_name", "job_id", "line", "custom_id")
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -80,11 +82,20 @@ def request_context() -> dict:
             fields.setdefault("task_id", req.id)
             fields.setdefault("task_name", task.name)
             kwargs = req.kwargs
-            if isinstance(kwargs, dict) and "job" in kwargs:
-                fields.setdefault("job_id", kwargs.get("job"))
-                fields.setdefault("line", kwargs.get("line"))
-                fields.setdefault("custom_id", kwargs.get("custom_id"))
+            if isinstance(kwargs, dict) and "job" in kwargs:  # from the message: cut to size, never trusted
+                fields.setdefault("job_id", _bounded(kwargs.get("job")))
+                fields.setdefault("line", _bounded(kwargs.get("line")))
+                fields.setdefault("custom_id", _bounded(kwargs.get("custom_id")))
     return fields
+
+
+def _bounded(value, limit: int = MAX_CUSTOM_ID_CHARS):
+    """A context value from a task message as it can go in every log line: short (``limit``: a custom_id
+    as the submitter bounds it)."""
+    if value is None or isinstance(value, (bool, int, float)) and len(repr(value)) <= 40:
+        return value
+    text = value if isinstance(value, str) else repr(value)[: limit + 1]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class ContextFilter(logging.Filter):
