@@ -103,6 +103,12 @@ def test_invalid_settings_fail_clearly(monkeypatch, env):
         ("rediss://u:p%40ss@[::1]:6380/1", "rediss://u:***@[::1]:6380/1"),
         ("redis://host:6379/0", "redis://host:6379/0"),
         ("sentinel://:pw@a:26379;sentinel://:pw@b:26379", None),
+        # each sentinel address is masked, also when the first has no port (it leaked the second's)
+        ("sentinel://:pw@a;sentinel://:pw@b:26379", "sentinel://:***@a;sentinel://:***@b:26379"),
+        (
+            "sentinel://:pw@a:1/0;sentinel://:pw@b:2/0?master_name=m",
+            "sentinel://:***@a:1/0;sentinel://:***@b:2/0?master_name=m",
+        ),
     ],
 )
 def test_mask_url_never_shows_a_password(url, masked):

@@ -4,12 +4,17 @@ Delivery is at-least-once: late acks, reject on worker loss, a Redis visibility 
 than the longest deadline, bounded prefetch, and JSON only (pickle is refused both for task
 messages and for results). A client sends with this app as it is; the worker
 (``batchery.worker.app.make_app``) registers its task functions on it. No import-time side
-effects: call ``make_celery``."""
+effects: call ``make_celery``.
+
+A ``sentinel://...?master_name=NAME`` broker or result backend (``batchery.broker.connection``) goes
+to Celery without its query, with ``master_name`` as a transport option: kombu's Sentinel transport
+and Celery's ``SentinelBackend`` then follow the master through a failover."""
 
 from __future__ import annotations
 
 from celery import Celery
 
+from batchery.broker.connection import celery_sentinel
 from batchery.contract.names import TASK_NAMES
 from batchery.contract.settings import Settings
 
@@ -17,7 +22,9 @@ from batchery.contract.settings import Settings
 def make_celery(settings: Settings | None = None) -> Celery:
     """A Celery app for ``settings`` (default: from the environment), with no tasks registered."""
     settings = settings or Settings()
-    app = Celery("batchery", broker=settings.broker_url, backend=settings.result_backend, set_as_current=False)
+    broker_url, broker_sentinel = celery_sentinel(settings.broker_url)
+    backend_url, backend_sentinel = celery_sentinel(settings.result_backend)
+    app = Celery("batchery", broker=broker_url, backend=backend_url, set_as_current=False)
     app.conf.update(
         # JSON only, everywhere
         task_serializer="json",
@@ -40,7 +47,9 @@ def make_celery(settings: Settings | None = None) -> Celery:
             # while holding it would stop all sweeps for the lock's expiry (kombu: 300 s). Each
             # restore is its own WATCH transaction, so a short expiry cannot restore twice.
             "unacked_mutex_expire": int(max(5.0, min(300.0, settings.visibility_timeout / 4))),
+            **broker_sentinel,  # master_name, for a sentinel:// broker
         },
+        result_backend_transport_options=backend_sentinel,
         # the result backend rides out a Redis restart (clients polling results, workers storing them)
         result_backend_always_retry=True,
         result_backend_max_retries=10,
