@@ -7,14 +7,17 @@ for ever. So every delivery is counted in the result backend's Redis before the 
 uncounted when it ends (``batchery.jobs.deliveries``); what is left are deliveries that died with their
 process. Then:
 
-1. **Suspects run alone.** A request one of whose earlier deliveries died runs alone (quarantine's
-   solo run: nothing else in the engine while it runs), and one at a time in this process. The other
-   requests that shared the dying process die too, but they were not alone, so their deaths never
-   count against them.
+1. **Suspects run alone.** A request two of whose deliveries died (one, if
+   ``BATCHERY_MAX_DELIVERIES`` is 2) runs alone (quarantine's solo run: nothing else in the engine
+   while it runs), and one at a time in this process. One death alone is no sign (a worker
+   SIGKILLed with a full batch would otherwise make every request it held run alone). The other
+   requests that shared a dying process die too, but not alone, so those deaths never convict them.
 2. **Poison is dead-lettered.** At the start of a delivery, a request with ``BATCHERY_MAX_DELIVERIES``
-   (K, default 3) deliveries that died, the last K-1 of them running alone, is not run: it fails for
-   good with ``EngineCrash`` (a batch line's record is ``engine_crash``, 500) and its message goes to
-   the dead-letter list (``batchery.jobs.deadletter``) for ``batchery deadletter``.
+   (K, default 3) deliveries that died, those after the first two (the first one, for K = 2) running
+   alone, is not run: it fails for good with ``EngineCrash`` (a batch line's record is
+   ``engine_crash``, 500) and its message goes to the dead-letter list (``batchery.jobs.deadletter``)
+   for ``batchery deadletter``. K = 1 dead-letters at the first death, blaming every request the
+   process held; 0 turns counting off.
 
 A delivery that ends by an engine failure (a retry) or a requeue keeps the deaths counted before it;
 any other end (a result, an error of the request's own, a deadline, a cancel) proves the request
@@ -87,6 +90,13 @@ def dead_letter(task, reason: str, message: str, **counts) -> bool:
     return True
 
 
+def alone_from(limit: int) -> int:
+    """After how many deaths a request runs alone: 2 (one death, such as a worker SIGKILLed with a full
+    batch, must not make every request it held run alone, one at a time), but 1 where the limit leaves
+    no room (``BATCHERY_MAX_DELIVERIES`` 2; with 1 the first death dead-letters, alone or not)."""
+    return max(1, min(2, limit - 1))
+
+
 @contextlib.contextmanager
 def attempt(task, gen: GenerationRequest, timeout: float) -> Iterator[tuple[GenerationRequest, float]]:
     """Count this delivery around the engine call: yields the request to submit (alone if a delivery
@@ -104,7 +114,8 @@ def attempt(task, gen: GenerationRequest, timeout: float) -> Iterator[tuple[Gene
         log.warning("deliveries: could not count the delivery of %s (%s); running it as usual", task_id, exc)
         yield gen, timeout
         return
-    if seen.died >= limit and seen.died_alone >= limit - 1:
+    alone_after = alone_from(limit)
+    if seen.died >= limit and seen.died_alone >= limit - alone_after:
         message = (
             f"delivered {seen.died} times and the worker process died each time"
             + (f" ({seen.died_alone} of them running alone)" if seen.died_alone else "")
@@ -118,7 +129,7 @@ def attempt(task, gen: GenerationRequest, timeout: float) -> Iterator[tuple[Gene
         raise EngineCrash(
             message + ("; its message is on the dead-letter list (batchery deadletter)" if stored else "")
         )
-    if seen.died and not gen.solo:
+    if seen.died >= alone_after and not gen.solo:
         log.warning(
             "deliveries: %s was in flight in %d worker process(es) that died; it runs alone", task_id, seen.died
         )
