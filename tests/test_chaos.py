@@ -124,7 +124,6 @@ def _raw_message(app, task: str, queue: str, task_id: str, body_json: str) -> st
 
 
 def test_hostile_messages_do_not_take_the_worker_down(tiny_worker, tiny_client):
-    import json
     import uuid
 
     from conftest import wait_for
@@ -159,9 +158,13 @@ def test_hostile_messages_do_not_take_the_worker_down(tiny_worker, tiny_client):
         tiny_worker.wait_for_log(rf"\[{ids[name]}\] (raised|succeeded)", 30)
     wait_for(lambda: tiny_worker.count(refused) >= n_refused + 2, 30, what="two undecodable bodies refused")
     wait_for(lambda: r.llen(q) == 0, 30, what="every hostile message consumed")
-    # the string priority reached the engine and was refused there, as the line's error record
-    record = json.loads(store.r.hget(store.keys(job)[1], "1"))
-    assert record["error"]["code"] == "invalid_request" and "priority" in record["error"]["message"]
+    # the string priority is refused before the line touches its job (tasks/messages.py): no record, and
+    # the message is on the dead-letter list, saying why
+    from batchery.jobs.deadletter import DeadLetters
+
+    assert store.r.hget(store.keys(job)[1], "1") is None
+    entry = DeadLetters(store.r, tiny_client.settings.deadletter.key_prefix).get(ids["string-priority"])
+    assert entry["reason"] == "invalid_message" and "priority" in entry["message"]
     status, health = tiny_worker.http("/healthz")
     assert status == 200 and health["state"] == "serving"
     assert tiny_worker.stats()["num_failures"] == 0  # none of it made an engine step fail

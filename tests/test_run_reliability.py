@@ -140,6 +140,7 @@ def test_run_gives_up_after_bounded_restarts_and_writes_what_completed(tiny_mode
     # one sequence per step, so the good lines before the poison one run (and finish) without it
     env, tag = tiny_env(tiny_model_dir, BATCHERY_FAULTS="exit_on:KILLME")
     env["BATCHERY_MAX_NUM_SEQS"] = "1"
+    env["BATCHERY_MAX_DELIVERIES"] = "0"  # no dead-lettering: the line kills every worker it meets
     rows = [chat_line(f"q{i}", f"hello {i}") for i in range(6)]
     rows.insert(2, {**chat_line("bad", "hello"), "body": {"messages": [], "max_tokens": 2}})  # invalid: an error
     rows.append(chat_line("poison", "please KILLME now"))
@@ -162,6 +163,28 @@ def test_run_gives_up_after_bounded_restarts_and_writes_what_completed(tiny_mode
     assert [r["custom_id"] for r in bad] == ["bad"] and bad[0]["error"]["code"] == "invalid_body"
     assert "poison" not in ids
     assert re.search(r"\(logs kept in \S+\)", stderr)
+    assert leftovers(tag, tree) == []
+
+
+def test_run_dead_letters_a_line_that_kills_its_worker_and_completes(tiny_model_dir, tmp_path):
+    """Item 2 under ``batchery run``: the line that kills every worker it meets is given up after
+    ``BATCHERY_MAX_DELIVERIES`` (3) deaths, as an ``engine_crash`` error record; every other line completes
+    and the run exits 0 (the restarts stay within their bound)."""
+    env, tag = tiny_env(tiny_model_dir, BATCHERY_FAULTS="exit_on:KILLME")
+    rows = [chat_line(f"q{i}", f"hello {i}") for i in range(6)] + [chat_line("poison", "please KILLME now")]
+    src, out, errs = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    write_jsonl(src, rows)
+    rc, _stdout, stderr, tree = run_to_end(
+        [str(src), "-o", str(out), "--errors", str(errs)], env, tag, tmp_path, timeout=400
+    )
+    assert rc == 0, stderr
+    # one death per delivery: 3 deliveries died (3 restarts), the 4th dead-letters it without running it
+    assert "the worker exited with code 70; restarting it (restart 3 of 3)" in stderr, stderr
+    assert "gave up" not in stderr, stderr
+    assert [r["custom_id"] for r in read_jsonl(out)] == [f"q{i}" for i in range(6)]
+    bad = read_jsonl(errs)
+    assert [r["custom_id"] for r in bad] == ["poison"], bad
+    assert bad[0]["error"]["code"] == "engine_crash" and "dead-letter" in bad[0]["error"]["message"], bad[0]
     assert leftovers(tag, tree) == []
 
 

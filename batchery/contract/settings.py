@@ -24,6 +24,8 @@ def mask_url(url: str | None) -> str:
     """``url`` with any password replaced by ``***``, for logs. Never raises."""
     if not url:
         return str(url)
+    if ";" in url:  # several addresses (sentinel://...;sentinel://...): each may carry a password
+        return ";".join(mask_url(part) for part in url.split(";"))
     try:
         parts = urlsplit(url)
         if parts.password is None:
@@ -105,6 +107,25 @@ class QuarantineOptions(BaseModel):
     )
 
 
+class DeadLetterOptions(BaseModel):
+    """Dead letters (``BATCHERY_DEADLETTER__KEY_PREFIX`` ...): messages that failed for good without running
+    (``BATCHERY_MAX_DELIVERIES`` deliveries died with their worker process, or a batch-line message failed its
+    checks), kept in the result backend's Redis for ``batchery deadletter list / inspect / requeue``."""
+
+    key_prefix: str = Field(
+        default="batchery:deadletter", min_length=1, max_length=64, description="Redis key prefix of the dead letters"
+    )
+    max_entries: int = Field(
+        default=1000, ge=1, le=1_000_000, description="dead letters kept; the oldest go first beyond this"
+    )
+    deliveries_prefix: str = Field(
+        default="batchery:deliveries",
+        min_length=1,
+        max_length=64,
+        description="Redis key prefix of the per-task delivery counters",
+    )
+
+
 class Settings(BaseSettings):
     """Everything a worker (and a client) needs, from ``BATCHERY_*`` environment variables."""
 
@@ -127,12 +148,20 @@ class Settings(BaseSettings):
     engine: EngineOptions = Field(default_factory=EngineOptions)
     batch: BatchOptions = Field(default_factory=BatchOptions)
     quarantine: QuarantineOptions = Field(default_factory=QuarantineOptions)
+    deadletter: DeadLetterOptions = Field(default_factory=DeadLetterOptions)
 
     # tasks
     concurrency: int | None = Field(default=None, ge=1, description="task threads; None -> max_num_seqs + 25%")
     task_timeout: float = Field(default=600.0, gt=0, description="default per-attempt deadline, seconds")
     max_task_timeout: float = Field(default=3600.0, gt=0, description="largest deadline a client may ask for")
     max_retries: int = Field(default=3, ge=0, description="retries after an engine failure")
+    max_deliveries: int = Field(
+        default=3,
+        ge=0,
+        le=100,
+        description="deliveries of a request that died with their worker process before it is dead-lettered "
+        "(from the second on it runs alone); 0 = off",
+    )
     retry_backoff: float = Field(default=1.0, gt=0, description="first retry delay, seconds; doubles each time")
     retry_backoff_max: float = Field(default=60.0, gt=0, description="longest retry delay, seconds")
     visibility_timeout: float | None = Field(
