@@ -86,9 +86,16 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        isolated: bool = False,
     ) -> None:
-        """Queue a request. Raises ``ValueError`` naming the problem; the engine is unaffected."""
+        """Queue a request. Raises ``ValueError`` naming the problem; the engine is unaffected.
+        An ``isolated`` request runs only in steps of its own, taking turns with the steps of the
+        others (quarantine: if such a step fails, the request was the only one in it)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         if not prompt_token_ids:
@@ -105,7 +112,7 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         params = self._fit_to_model(params)
-        seq = Sequence(request_id, prompt_token_ids, params, priority=priority)
+        seq = Sequence(request_id, prompt_token_ids, params, priority=priority, isolated=bool(isolated))
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -182,7 +189,8 @@ class LLMEngine:
         self.num_oom += 1
         self._oom_ok_steps = 0
         self.last_step_num_seqs = self.last_step_num_tokens = 0
-        max_seqs = max(1, min(sch.max_num_seqs, num_seqs // 2 or 1))
+        # an isolated sequence's own step is one sequence: only its token budget can be the cause
+        max_seqs = sch.max_num_seqs if sched.isolated else max(1, min(sch.max_num_seqs, num_seqs // 2 or 1))
         max_tokens = max(min(OOM_MIN_TOKENS, num_tokens), num_tokens // 2)
         num_preempted = sch.set_step_limits(max_seqs, max_tokens)
         del exc  # its traceback holds the step's activations

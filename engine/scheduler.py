@@ -1,4 +1,5 @@
-"""Iteration-level scheduler: token budget, decode first, chunked prefill, preemption by recompute.
+"""Iteration-level scheduler: token budget, decode first, chunked prefill, preemption by recompute,
+and isolated sequences (quarantine) that run only in steps of their own.
 
 Pure Python: plain ints, no torch."""
 
@@ -20,6 +21,7 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)  # the sequences computed this step, in admission order
     num_new_tokens: list[int] = field(default_factory=list)  # per seq, tokens computed this step
     num_preempted: int = 0  # running sequences preempted while scheduling it
+    isolated: bool = False  # the step is one isolated sequence, alone (``Sequence.isolated``)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -36,12 +38,16 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival_time)
         self.running: list[Sequence] = []  # admission order; decode tokens go first
+        self.isolated: list[Sequence] = []  # the isolated ones among waiting and running, in arrival order
+        self.last_step_isolated = False  # whose turn is next while both kinds have work
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         keys = [s.sort_key() for s in self.waiting]
         self.waiting.insert(bisect.bisect_right(keys, seq.sort_key()), seq)
+        if seq.isolated and seq not in self.isolated:
+            self.isolated.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -52,6 +58,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if seq.isolated and seq in self.isolated:
+            self.isolated.remove(seq)
         self.block_manager.free_seq(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -108,24 +116,96 @@ class Scheduler:
         self.add(seq)
 
     def schedule(self) -> SchedulerOutput:
+        """The next step. An isolated sequence never shares a step: a step is either one isolated
+        sequence alone or only the others, and while both have work they take turns (so neither
+        waits for the other to finish). If the kind whose turn it is cannot run (no blocks, no
+        slot), the other kind runs instead."""
+        if not self.isolated:
+            self.last_step_isolated = False
+            return self._schedule_batch()
+        has_others = len(self.running) + len(self.waiting) > len(self.isolated)
+        kinds = (False, True) if has_others and self.last_step_isolated else (True, False)
+        num_preempted = 0
+        for isolated in kinds:
+            out = self._schedule_isolated() if isolated else self._schedule_batch()
+            out.num_preempted += num_preempted
+            if out:
+                self.last_step_isolated = isolated
+                return out
+            num_preempted = out.num_preempted
+        return out  # nothing fits this step (it may have preempted something to make room)
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Move waiting ``seq`` to running with a first chunk of at most ``budget`` tokens; returns
+        the chunk's size, or 0 (and changes nothing) if its blocks do not fit."""
+        bm = self.block_manager
+        bm.match_prefix(seq)
+        n = min(seq.num_uncomputed_tokens, budget)
+        if not bm.can_allocate(seq, n):
+            bm.free_seq(seq)  # give back prefix-cache references taken by match_prefix
+            return 0
+        bm.allocate(seq, n)
+        self.waiting.remove(seq)
+        if bm.enable_prefix_caching:
+            bm.num_query_tokens += seq.num_tokens
+            bm.num_hit_tokens += seq.num_cached_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return n
+
+    def _schedule_isolated(self) -> SchedulerOutput:
+        """A step of one isolated sequence alone: a running one's next token or prefill chunk, else
+        the first waiting one's admission. Others are preempted if its blocks do not fit, as in a
+        shared step."""
+        bm = self.block_manager
+        out = SchedulerOutput(isolated=True)
+        running = [s for s in self.isolated if s.status == SequenceStatus.RUNNING]
+        budget = self.max_num_batched_tokens
+        if running:
+            seq = running[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not bm.can_allocate(seq, n):
+                victim = self._preemption_victim()
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is seq:
+                    return out
+            bm.allocate(seq, n)
+        else:
+            seq = min(self.isolated, key=Sequence.sort_key)
+            if len(self.running) >= self.max_num_seqs:
+                return out
+            n = self._admit(seq, budget)
+            if not n:
+                return out
+        out.seqs.append(seq)
+        out.num_new_tokens.append(n)
+        return out
+
+    def _schedule_batch(self) -> SchedulerOutput:
+        """A step of the sequences that are not isolated."""
         bm = self.block_manager
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
 
         # 1. Running sequences: one decode token each, or the next chunk of an unfinished prefill.
+        cands = [s for s in self.running if not s.isolated] if self.isolated else list(self.running)
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        while i < len(cands) and budget > 0:
+            seq = cands[i]
             n = min(seq.num_uncomputed_tokens, budget)
             while not bm.can_allocate(seq, n):
                 # Out of blocks: preempt the lowest-priority, newest running sequence, even one
                 # already scheduled this step (it is taken back out of the step).
                 victim = self._preemption_victim()
-                if self.running.index(victim) < i:
-                    k = out.seqs.index(victim)
-                    budget += out.num_new_tokens.pop(k)
-                    out.seqs.pop(k)
-                    i -= 1
+                if victim in cands:
+                    j = cands.index(victim)
+                    if j < i:
+                        k = out.seqs.index(victim)
+                        budget += out.num_new_tokens.pop(k)
+                        out.seqs.pop(k)
+                        i -= 1
+                    cands.pop(j)
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is seq:
@@ -138,23 +218,18 @@ class Scheduler:
                 i += 1
             # when seq itself was preempted the list shifted, so index i now holds the next one
 
-        # 2. Waiting sequences, in priority/FCFS order, while budget, slots and blocks allow.
+        # 2. Waiting sequences, in priority/FCFS order, while budget, slots and blocks allow. An
+        # isolated one first in line stops the line: it goes in on its own turn, and no one
+        # behind it takes its slot or its blocks meanwhile.
         if out.num_preempted:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            bm.match_prefix(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not bm.can_allocate(seq, n):
-                bm.free_seq(seq)  # give back prefix-cache references taken by match_prefix
+            if seq.isolated:
                 break
-            bm.allocate(seq, n)
-            self.waiting.pop(0)
-            if bm.enable_prefix_caching:
-                bm.num_query_tokens += seq.num_tokens
-                bm.num_hit_tokens += seq.num_cached_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            n = self._admit(seq, budget)
+            if not n:
+                break
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             budget -= n

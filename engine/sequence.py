@@ -51,10 +51,13 @@ class Sequence:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        isolated: bool = False,
     ) -> None:
         self.request_id = request_id
         self.params = params
         self.priority = priority
+        # runs only in steps of its own (quarantine: a suspect request, so that a failing step names it)
+        self.isolated = isolated
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = SequenceStatus.WAITING
         self.token_ids: list[int] = list(prompt_token_ids)

@@ -189,7 +189,7 @@ def test_a_solo_run_hit_by_a_flaky_step_is_run_again_and_completes(make_service)
     assert (s.num_failures, s.num_solo_runs, s.num_poisoned) == (1, 2, 0)
 
 
-def test_solo_runs_take_turns_with_held_work(make_service):
+def test_solo_runs_take_turns_beside_normal_work(make_service):
     s = make_service()
     done: list[str] = []
     lock = threading.Lock()
@@ -202,11 +202,11 @@ def test_solo_runs_take_turns_with_held_work(make_service):
     track("normal-0", s.submit(chat("hello", max_tokens=400))[1])
     wait_for(lambda: s.engine_stats.get("num_running"), 60, what="the first request to run")
     track("solo-a", s.submit(chat("the cat", solo=True, max_tokens=4))[1])
-    track("normal-1", s.submit(chat("the dog", max_tokens=4))[1])  # held: a solo run waits
+    track("normal-1", s.submit(chat("the dog", max_tokens=4))[1])  # not held: goes straight in
     track("solo-b", s.submit(chat("the sea", solo=True, max_tokens=4))[1])
     wait_for(lambda: len(done) == 4, 60, what="all four requests")
-    # the engine drains, solo-a runs alone, held work goes in, then solo-b runs alone
-    assert done == ["normal-0", "solo-a", "normal-1", "solo-b"]
+    # no drain: the solo runs go in beside normal-0, one at a time, each in steps of its own
+    assert done[-1] == "normal-0" and done.index("solo-a") < done.index("solo-b")
     assert s.num_solo_runs == 2
 
 

@@ -45,12 +45,25 @@ class Sim:
         self.finished: list[str] = []
         self.history: list[list[tuple[str, int]]] = []  # per step: (request id, tokens scheduled)
 
-    def add(self, rid: str, prompt, max_tokens: int = 4, priority: int = 0, arrival: float | None = None) -> Sequence:
+    def add(
+        self,
+        rid: str,
+        prompt,
+        max_tokens: int = 4,
+        priority: int = 0,
+        arrival: float | None = None,
+        isolated: bool = False,
+    ) -> Sequence:
         if arrival is None:
             self.clock += 1.0
             arrival = self.clock
         seq = Sequence(
-            rid, list(prompt), SamplingParams(max_tokens=max_tokens), priority=priority, arrival_time=arrival
+            rid,
+            list(prompt),
+            SamplingParams(max_tokens=max_tokens),
+            priority=priority,
+            arrival_time=arrival,
+            isolated=isolated,
         )
         self.seqs[rid] = seq
         self.sched.add(seq)
@@ -418,6 +431,75 @@ def test_prefix_cache_hit_statistics_count_admitted_sequences():
     assert sim.seqs["b"].num_cached_tokens == 8
 
 
+# -- isolated sequences (quarantine): steps of their own -----------------------------------------
+
+
+def alone_or_absent(history, rid: str) -> bool:
+    """Every step holds ``rid`` alone or not at all."""
+    return all(len(step) == 1 or rid not in [r for r, _ in step] for step in history)
+
+
+def test_an_isolated_sequence_runs_in_steps_of_its_own_taking_turns_with_the_others():
+    sim = Sim(64)
+    sim.add("a", [1, 2, 3], max_tokens=6)
+    sim.add("iso", [1, 2], max_tokens=3, isolated=True)
+    sim.add("b", [4, 5, 6, 7], max_tokens=6)
+    sim.run()
+    steps = [[r for r, _ in step] for step in sim.history]
+    assert alone_or_absent(sim.history, "iso") and sim.sched.isolated == []
+    # turns: the isolated sequence first (the others have had no step yet), then one step each
+    assert steps[:6] == [["iso"], ["a", "b"], ["iso"], ["a", "b"], ["iso"], ["a", "b"]]
+    assert sim.finished[0] == "iso" and sorted(sim.finished) == ["a", "b", "iso"]  # nobody waited for a drain
+    sim.assert_pool_full()
+
+
+def test_a_lone_isolated_sequence_runs_every_step():
+    sim = Sim(64)
+    sim.add("iso", [1, 2, 3], max_tokens=4, isolated=True)
+    sim.run()
+    assert [[r for r, _ in step] for step in sim.history] == [["iso"]] * 4
+    assert all(out for out in sim.history)
+
+
+def test_an_isolated_sequence_first_in_line_keeps_its_place():
+    """Its blocks do not fit yet: a smaller sequence that arrived after it does not go in first
+    (FCFS, as for any sequence), so a stream of small ones cannot starve it."""
+    sim = Sim(6, block_size=2)
+    sim.add("a", [1] * 6, max_tokens=2)  # 3 blocks, a 4th for its decode
+    sim.step()
+    sim.add("iso", [2] * 7, max_tokens=2, isolated=True)  # 4 blocks: only 3 are free
+    sim.add("c", [3], max_tokens=2)  # 1 block would fit
+    sim.run()
+    first = {rid: next(i for i, step in enumerate(sim.history) if rid in [r for r, _ in step]) for rid in ("iso", "c")}
+    assert first["iso"] < first["c"] and alone_or_absent(sim.history, "iso")
+    assert sorted(sim.finished) == ["a", "c", "iso"]
+    sim.assert_pool_full()
+
+
+def test_an_isolated_sequence_out_of_blocks_preempts_another_and_still_runs_alone():
+    sim = Sim(4, block_size=2)  # 4 blocks of 2 tokens
+    sim.add("a", [1, 2, 3], max_tokens=3)  # 2 blocks now, a third at its 5th token
+    sim.step()
+    sim.add("iso", [4, 5, 6], max_tokens=3, isolated=True)  # 2 blocks, a third at its 5th token
+    sim.run()
+    assert sim.sched.num_preemptions >= 1 and alone_or_absent(sim.history, "iso")
+    assert sorted(sim.finished) == ["a", "iso"]
+    sim.assert_pool_full()
+
+
+def test_set_step_limits_preempts_an_isolated_sequence_like_any_other():
+    """set_step_limits preempts isolated and other sequences alike (the newest first)."""
+    sim = Sim(64)
+    sim.add("a", [1, 2], max_tokens=8)
+    sim.add("iso", [3, 4], max_tokens=8, isolated=True)
+    sim.step()
+    sim.step()
+    assert sim.sched.set_step_limits(1, 64) == 1 and ids(sim.sched.waiting) == ["iso"]
+    sim.run()
+    assert alone_or_absent(sim.history, "iso") and sorted(sim.finished) == ["a", "iso"]
+    sim.assert_pool_full()
+
+
 # -- randomized: invariants hold and every position reads the K/V its own prefix wrote ----------
 
 
@@ -427,6 +509,7 @@ class Req:
     max_tokens: int
     priority: int
     arrive_step: int
+    isolated: bool = False
 
 
 req_strategy = st.builds(
@@ -463,7 +546,7 @@ def simulate(
     for step in range(2000):
         while pending and pending[0][0] <= step:
             _, i, r = pending.pop(0)
-            sim.add(str(i), r.prompt[: max_len - 1], max_tokens=r.max_tokens, priority=r.priority)
+            sim.add(str(i), r.prompt[: max_len - 1], max_tokens=r.max_tokens, priority=r.priority, isolated=r.isolated)
         if step in abort_at and sim.sched.has_unfinished():
             live = sim.sched.running + sim.sched.waiting
             victim = live[abort_at[step] % len(live)]
@@ -478,6 +561,8 @@ def simulate(
         assert len(out.seqs) <= max_num_seqs and len(sched.running) <= max_num_seqs
         assert len(set(map(id, out.seqs))) == len(out.seqs)
         assert all(n >= 1 for n in out.num_new_tokens)
+        if any(s.isolated for s in out.seqs):
+            assert len(out.seqs) == 1 and out.isolated, "an isolated sequence shared a step"
         if sched.has_unfinished() and not out.seqs:
             assert out.num_preempted > 0, "nothing scheduled and nothing preempted: stalled"
         counts = [0] * num_blocks
@@ -550,3 +635,22 @@ def test_random_workloads_without_prefix_caching(reqs, num_blocks, block_size, m
 )
 def test_random_workloads_with_prefix_caching(reqs, num_blocks, block_size, max_num_seqs, budget, abort_at):
     simulate(reqs, num_blocks, block_size, max_num_seqs, budget, True, abort_at)
+
+
+isolated_req_strategy = st.builds(
+    Req,
+    prompt=st.lists(st.integers(1, 3), min_size=1, max_size=14),
+    max_tokens=st.integers(1, 8),
+    priority=st.integers(0, 2),
+    arrive_step=st.integers(0, 12),
+    isolated=st.booleans(),
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**{**sim_args, "reqs": st.lists(isolated_req_strategy, min_size=1, max_size=8)}, caching=st.booleans())
+def test_random_workloads_with_isolated_sequences(
+    reqs, num_blocks, block_size, max_num_seqs, budget, abort_at, caching
+):
+    """Isolated sequences (any number, at any time) never share a step, and nothing stalls."""
+    simulate(reqs, num_blocks, block_size, max_num_seqs, budget, caching, abort_at)

@@ -236,10 +236,21 @@ def test_triage_strikes_only_the_failing_step_and_carries_the_rest_oldest_first(
     assert not any(p.in_engine for p in t.carried)
 
 
-def test_triage_outside_a_step_strikes_everything_in_the_engine():
+def test_triage_outside_a_step_strikes_nobody():
     a, b, c = pending("a", in_engine=True), pending("b", in_engine=True), pending("c")
     t = triage([a, b, c], set(), solo_attempts=2)
-    assert t.struck == [a, b] and t.carried == [c]
+    assert t.struck == [] and t.poisoned == [] and t.carried == [a, b, c]
+
+
+def test_triage_outside_a_step_strikes_the_request_the_loop_was_taking_in():
+    """The watchdog fired while the loop tokenized ``busy`` (not in the engine yet): it alone pays,
+    and a quarantined one counts a failed solo run."""
+    a, busy = pending("a", in_engine=True), pending("busy")
+    t = triage([a, busy], set(), solo_attempts=2, busy="busy")
+    assert t.struck == [busy] and t.carried == [a]
+    solo = pending("solo", chat(solo=True))
+    t = triage([solo], set(), solo_attempts=2, busy="solo")
+    assert t.carried == [solo] and solo.solo_failures == 1
 
 
 def test_triage_quarantine_counts_solo_failures_then_poisons():
@@ -284,7 +295,7 @@ class Adder:
     def __call__(self, p: Pending) -> bool:
         inp = engine_input(self.engine, p.request)
         assert isinstance(inp, EngineInput)
-        self.engine.add_request(p.request_id, inp.prompt_token_ids, inp.params)
+        self.engine.add_request(p.request_id, inp.prompt_token_ids, inp.params, isolated=p.request.solo)
         self.added.append(p.request_id)
         return True
 
@@ -294,25 +305,21 @@ def test_lanes_route_normal_work_straight_in():
     assert lanes.place(pending("a")) and not lanes
 
 
-def test_lanes_run_a_quarantined_request_alone(engine):
+def test_lanes_put_one_quarantined_request_at_a_time_beside_the_others(engine):
+    """No drain and no holding: normal work goes straight in while a quarantined request waits or
+    runs (the engine runs it in steps of its own); the next quarantined one goes in when it is over."""
     lanes, add = Lanes(), Adder(engine)
     assert lanes.place(pending("busy")) and add(pending("busy"))
     assert not lanes.place(pending("solo-1", chat(solo=True)))
-    assert not lanes.place(pending("held-1"))  # a solo run waits: new work is held
-    assert lanes.admit(engine, add) == [] and add.added == ["busy"]  # the engine is not empty yet
-    engine.abort("busy")
-    started = lanes.admit(engine, add)
-    assert [p.request_id for p in started] == ["solo-1"] and lanes.solo_rid == "solo-1"
-    assert add.added == ["busy", "solo-1"] and [p.request_id for p in lanes.held] == ["held-1"]
     assert not lanes.place(pending("solo-2", chat(solo=True)))
-    assert not lanes.place(pending("held-2"))
-    assert lanes.admit(engine, add) == []  # solo-1 still runs: nothing else goes in
-    engine.abort("solo-1")  # its run is over: held work goes in before the next solo run
-    assert lanes.admit(engine, add) == []
-    assert add.added[2:] == ["held-1", "held-2"] and lanes.solo_rid is None and not lanes.held
-    engine.abort("held-1")
-    engine.abort("held-2")
+    started = lanes.admit(engine, add)  # the engine is not empty: no matter
+    assert [p.request_id for p in started] == ["solo-1"] and lanes.solo_rid == "solo-1"
+    assert lanes.place(pending("normal"))  # not held
+    assert lanes.admit(engine, add) == []  # solo-1 still runs: solo-2 waits its turn
+    assert engine.requests["solo-1"].isolated and not engine.requests["busy"].isolated
+    engine.abort("solo-1")
     assert [p.request_id for p in lanes.admit(engine, add)] == ["solo-2"] and not lanes
+    assert add.added == ["busy", "solo-1", "solo-2"]
 
 
 def test_lanes_a_rerun_after_failing_alone_goes_first():
@@ -411,6 +418,13 @@ def test_loop_quarantined_request_counts_a_solo_run(config, engine, caplog):
     shared, loop = hand_loop(config, engine)
     lanes = Lanes()
     solo = pending("solo", chat(solo=True))
-    loop.apply([submit(shared, solo)], lanes)
+    loop.apply([submit(shared, pending("first", chat(max_tokens=8)))], lanes)
+    loop.apply([submit(shared, solo)], lanes)  # no drain: it goes in beside the running request
     assert lanes.solo_rid == "solo" and shared.stats.num_solo_runs == 1 and solo.in_engine
+    assert engine.requests["solo"].isolated and not engine.requests["first"].isolated
+    steps = []
+    while engine.has_unfinished():
+        engine.step()
+        steps.append(shared.step_rids)
+    assert ("solo",) in steps and all(rids == ("solo",) or "solo" not in rids for rids in steps)
     assert "quarantine: running request solo alone (solo run 1 of at most 2)" in caplog.text

@@ -2,7 +2,7 @@
 
 - ``intake``: the pending-request record, and turning a request (``GenerationRequest``, defined in
   ``batchery.contract.generation`` with ``GenerationResult``) into engine input;
-- ``admission``: the quarantine lanes (held work, solo runs);
+- ``admission``: the quarantine lane (solo runs, one at a time, each in engine steps of its own);
 - ``loop``: the loop thread (gathering bursts, applying operations, stepping, resolving futures);
 - ``canary``, ``triage``, ``supervisor``: after a failure, who pays, who is carried over, the
   canary, rebuilding and giving up;

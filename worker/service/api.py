@@ -3,7 +3,8 @@
 engine and the supervisor (``supervisor``) brings it back after a failure.
 
 Quarantine: a request submitted with ``solo=True`` (the task does so once it has been struck
-``K`` times) runs alone (``admission``). If it fails alone on ``solo_attempts`` consecutive runs
+``K`` times) runs alone, in engine steps of its own between the steps of the other work
+(``admission``). If it fails alone on ``solo_attempts`` consecutive runs
 (each after a canary proved the engine sound), it is poison and its future raises
 ``EngineCrash``, naming the exception (``triage``)."""
 

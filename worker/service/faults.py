@@ -12,7 +12,14 @@
                           (``torch.OutOfMemoryError``), once: the engine shrinks its steps and goes on;
 - ``exit_on:TEXT``        any step whose batch holds a request whose prompt contains TEXT ends the
                           process at once with ``os._exit(70)`` (no cleanup, no acks: like a segfault
-                          or the OOM killer); TEXT as for ``poison``.
+                          or the OOM killer); TEXT as for ``poison``;
+- ``tokenize_delay:S``    the engine loop sleeps S seconds before it tokenizes each request (a slow
+                          tokenizer or chat template, or a huge prompt: work outside any step);
+- ``result_raise:TEXT``   building the result of a finished request whose prompt contains TEXT raises
+                          (a failure after its last step, outside any step); TEXT as for ``poison``;
+- ``loop_raise:N[:C]``    the Nth time the engine loop takes new work from its inbox (and the C-1 times
+                          after it; C is 1 by default), it raises before it applies any of it: a failure
+                          outside any step and any request's own work (counted per process).
 
 Steps are counted per process, across engine rebuilds, starting at 1. The engine service's
 two-token canary after a rebuild is not a counted step and meets no fault. A new kind is one
@@ -24,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
@@ -62,7 +70,10 @@ class StepContext:
 
 
 class Fault:
-    """One injected fault. Hooks default to doing nothing."""
+    """One injected fault. Hooks default to doing nothing. ``before_step`` runs at the start of
+    each counted step; the others run on the engine loop thread outside any step: ``before_apply``
+    when the loop takes new work from its inbox, ``before_tokenize`` and ``before_result`` with the
+    prompt of the request (as sent; None for token ids) it tokenizes or whose result it builds."""
 
     spec: str = ""
 
@@ -70,6 +81,15 @@ class Fault:
         pass
 
     def before_rebuild(self, attempt: int) -> None:
+        pass
+
+    def before_apply(self) -> None:
+        pass
+
+    def before_tokenize(self, prompt_text: str | None) -> None:
+        pass
+
+    def before_result(self, prompt_text: str | None) -> None:
         pass
 
 
@@ -157,6 +177,41 @@ class StepHang(Fault):
 
 
 @dataclass
+class TokenizeDelay(Fault):
+    seconds: float
+    spec: str = ""
+
+    def before_tokenize(self, prompt_text: str | None) -> None:
+        time.sleep(self.seconds)
+
+
+@dataclass
+class ResultRaise(Fault):
+    text: str
+    spec: str = ""
+
+    def before_result(self, prompt_text: str | None) -> None:
+        if prompt_text is not None and self.text in prompt_text:
+            raise InjectedFault(f"injected fault {self.spec!r}: building the result of a poisoned request raises")
+
+
+@dataclass
+class LoopRaise(Fault):
+    at: int
+    count: int = 1
+    spec: str = ""
+    num_applies: int = field(default=0)
+
+    def before_apply(self) -> None:
+        self.num_applies += 1
+        if self.at <= self.num_applies < self.at + self.count:
+            raise InjectedFault(
+                f"injected fault {self.spec!r}: the engine loop raises outside a step (taking new work, "
+                f"time {self.num_applies})"
+            )
+
+
+@dataclass
 class RebuildRaise(Fault):
     count: int
     spec: str = ""
@@ -227,6 +282,25 @@ def _step_hang(spec: str, args: list[str]) -> Fault:
     return StepHang(_int(spec, args[0], "N"), _float(spec, args[1], "SECONDS"), spec=spec)
 
 
+def _tokenize_delay(spec: str, args: list[str]) -> Fault:
+    _nargs(spec, args, 1, "tokenize_delay:SECONDS")
+    return TokenizeDelay(_float(spec, args[0], "SECONDS"), spec=spec)
+
+
+def _result_raise(spec: str, args: list[str]) -> Fault:
+    text = ":".join(args)
+    if not text.strip():
+        raise ValueError(f"fault {spec!r}: expected result_raise:TEXT with a non-empty TEXT")
+    return ResultRaise(text, spec=spec)
+
+
+def _loop_raise(spec: str, args: list[str]) -> Fault:
+    if len(args) not in (1, 2):
+        raise ValueError(f"fault {spec!r}: expected loop_raise:N or loop_raise:N:COUNT")
+    count = _int(spec, args[1], "COUNT") if len(args) == 2 else 1
+    return LoopRaise(_int(spec, args[0], "N"), count, spec=spec)
+
+
 def _rebuild_raise(spec: str, args: list[str]) -> Fault:
     _nargs(spec, args, 1, "rebuild_raise:N")
     return RebuildRaise(_int(spec, args[0], "N"), spec=spec)
@@ -242,7 +316,11 @@ PARSERS: dict[str, Callable[[str, list[str]], Fault]] = {
     "poison": _poison,
     "oom": _oom,
     "exit_on": _exit_on,
+    "tokenize_delay": _tokenize_delay,
+    "result_raise": _result_raise,
+    "loop_raise": _loop_raise,
 }
+FREE_TEXT_KINDS = ("poison", "exit_on", "result_raise")  # their TEXT is taken as written
 
 
 def parse_faults(text: str | None) -> list[Fault]:
@@ -257,6 +335,6 @@ def parse_faults(text: str | None) -> list[Fault]:
         parser = PARSERS.get(kind)
         if parser is None:
             raise ValueError(f"unknown fault {kind!r} in {spec!r}; known: {', '.join(sorted(PARSERS))}")
-        # poison's and exit_on's TEXT is free text, taken as written; numeric arguments may carry spaces
-        faults.append(parser(spec, args if kind in ("poison", "exit_on") else [a.strip() for a in args]))
+        # a TEXT is free text, taken as written; numeric arguments may carry spaces
+        faults.append(parser(spec, args if kind in FREE_TEXT_KINDS else [a.strip() for a in args]))
     return faults

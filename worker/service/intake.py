@@ -9,7 +9,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from batchery.contract.errors import ContextLengthExceeded, InvalidRequest
+from batchery.contract.errors import ContextLengthExceeded, EngineFailure, InvalidRequest
 from batchery.contract.generation import GenerationRequest, GenerationResult, LogprobEntry
 
 if TYPE_CHECKING:
@@ -103,3 +103,10 @@ def request_error(exc: ValueError | TypeError) -> InvalidRequest:
 
     kind = ContextLengthExceeded if isinstance(exc, PromptTooLong) else InvalidRequest
     return kind(str(exc))
+
+
+def internal_error(what: str, exc: BaseException) -> EngineFailure:
+    """For a request whose own work outside a step (adding it to the engine, building its result)
+    raised: it fails alone, with a retryable ``EngineFailure`` that is no strike (no step failed)."""
+    message = f"the engine service failed this request while {what} ({type(exc).__name__}: {exc})"
+    return EngineFailure(f"{message[:2000]}; the request will be retried")

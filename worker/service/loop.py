@@ -2,12 +2,14 @@
 
 The engine is single-threaded, so task threads never touch it: they queue operations in the inbox
 and wake this thread, which applies them between steps (tokenize, admission, ``add_request``,
-``abort``) and resolves each request's future when it finishes. Before a rebuilt engine takes
+``abort``) and resolves each request's future when it finishes. Each request it takes in is
+progress for the watchdog, and a request whose own work here raises fails alone. Before a rebuilt engine takes
 work the loop runs its canary. Any exception ends the loop and is reported to the supervisor; a
 loop whose engine was abandoned (``abandoned`` set) touches nothing on its way out."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -17,7 +19,7 @@ from batchery.contract.errors import EngineFailure, InvalidRequest
 from batchery.worker.service.admission import Lanes
 from batchery.worker.service.canary import run_canary
 from batchery.worker.service.faults import StepContext
-from batchery.worker.service.intake import Pending, engine_input, request_error
+from batchery.worker.service.intake import Pending, engine_input, internal_error, request_error
 from batchery.worker.service.logprobs import Decoder
 from batchery.worker.service.shared import AbortOp, EngineAbandoned, Failure, Op, Shared
 
@@ -78,7 +80,7 @@ class EngineLoop:
                 if s.step_stats.num_started == steps_before:
                     continue  # nothing was scheduled: not progress, so the watchdog keeps counting
                 s.last_beat = s.last_step_at = time.monotonic()
-                s.failed_rebuilds = s.verdicts_in_a_row = 0
+                s.failed_rebuilds = s.verdicts_in_a_row = s.outside_failures = 0
                 s.stats.engine = engine.stats()
                 s.step_stats.observe(self.gen, step_s, s.stats.engine)
                 if outputs:
@@ -128,6 +130,9 @@ class EngineLoop:
 
     def apply(self, ops: list[Op], lanes: Lanes) -> None:
         """Apply queued aborts and adds, then admit what quarantine allows."""
+        if ops:
+            for f in self.shared.options.faults:
+                f.before_apply()
         for op in ops:
             if isinstance(op, AbortOp):
                 self.engine.abort(op.request_id)
@@ -147,34 +152,76 @@ class EngineLoop:
             )
 
     def add(self, p: Pending) -> bool:
-        """Tokenize and add one request to the engine; False if it is gone or was refused."""
-        s, engine = self.shared, self.engine
-        if p.request_id not in s.pending:  # aborted or failed before it reached the engine
+        """Tokenize one request and add it to the engine (isolated, in steps of its own, if it is
+        quarantined); False if it is gone, was refused or failed. Each request taken in is progress
+        for the watchdog (a big inbox may take long to tokenize); while the loop works on it,
+        ``busy_rid`` names it (should that work hang). If its own work raises, it fails alone, at
+        once; the loop goes on."""
+        s = self.shared
+        with s.lock:
+            if self.abandoned.is_set():
+                raise EngineAbandoned()
+            if p.request_id not in s.pending:  # aborted or failed before it reached the engine
+                return False
+            s.busy_rid = p.request_id
+        try:
+            return self._add(p)
+        except EngineAbandoned:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the loop
+            log.error("adding request %s to the engine failed; failing it alone", p.request_id, exc_info=True)
+            with contextlib.suppress(Exception):
+                self.engine.abort(p.request_id)
+            self.reject(p, internal_error("adding it to the engine", exc))
             return False
+        finally:
+            self.beat()
+
+    def _add(self, p: Pending) -> bool:
+        s, engine = self.shared, self.engine
+        for f in s.options.faults:
+            f.before_tokenize(p.prompt_text())
         inp = engine_input(engine, p.request)
         if isinstance(inp, InvalidRequest):
             self.reject(p, inp)
             return False
         p.added_at = time.time()
         try:
-            engine.add_request(p.request_id, inp.prompt_token_ids, inp.params, priority=p.request.priority)
+            engine.add_request(
+                p.request_id, inp.prompt_token_ids, inp.params, priority=p.request.priority, isolated=p.request.solo
+            )
         except (ValueError, TypeError) as exc:
             self.reject(p, request_error(exc))
             return False
         with s.lock:
-            if p.request_id not in s.pending:  # aborted while we tokenized
+            if self.abandoned.is_set() or p.request_id not in s.pending:  # abandoned, or aborted while we tokenized
                 engine.abort(p.request_id)
+                if self.abandoned.is_set():
+                    raise EngineAbandoned()
                 return False
             p.in_engine = True
         return True
 
+    def beat(self) -> None:
+        """The loop made progress outside a step (a request taken in): tell the watchdog."""
+        s = self.shared
+        with s.lock:
+            if not self.abandoned.is_set():  # an abandoned loop's beat would hide the new one's hang
+                s.busy_rid = None
+                s.last_beat = time.monotonic()
+
     def reject(self, p: Pending, exc: Exception) -> None:
         with self.shared.lock:
+            if self.abandoned.is_set():
+                raise EngineAbandoned()  # p was carried over to the next engine; it decides
             if self.shared.pending.pop(p.request_id, None) is None:
                 return
         p.future.set_exception(exc)
 
     def resolve(self, outputs: list[RequestOutput]) -> None:
+        """Resolve the futures of the requests that finished. Each request leaves the pending set
+        only here, and its future is resolved whatever happens: if building its result raises, it
+        fails alone with a retryable error (not a strike)."""
         s = self.shared
         now = time.time()
         tokenizer = cast(Decoder, self.engine.tokenizer)
@@ -186,8 +233,16 @@ class EngineLoop:
             if out.finish_reason == "error":
                 p.future.set_exception(EngineFailure(f"the engine failed this request: {out.error}"))
                 continue
+            try:
+                for f in s.options.faults:
+                    f.before_result(p.prompt_text())
+                result = p.result(out, s.logprobs.render(tokenizer, out.logprobs), now)
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the loop
+                log.error("building the result of request %s failed; failing it alone", p.request_id, exc_info=True)
+                p.future.set_exception(internal_error("building its result", exc))
+                continue
             s.stats.num_finished += 1
-            p.future.set_result(p.result(out, s.logprobs.render(tokenizer, out.logprobs), now))
+            p.future.set_result(result)
 
     # -- the engine's step hook --------------------------------------------------------------------
     def on_step_start(self, seqs: list[Sequence]) -> None:

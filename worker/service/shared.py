@@ -90,12 +90,14 @@ class Shared:
     draining: bool = False
     fatal_reason: str | None = None
 
-    last_beat: float = field(default_factory=time.monotonic)  # a step ran, or the loop idled with no work
+    last_beat: float = field(default_factory=time.monotonic)  # a step ran, a request was taken in, or idle
     last_step_at: float | None = None  # monotonic time the last work step finished
     failed_rebuilds: int = 0  # consecutive; reset by a successful canary or step
     step_rids: tuple[str, ...] = ()  # the requests in the step now running (or the hung one)
+    busy_rid: str | None = None  # the request the loop takes in now, outside a step (or the hung one)
     in_canary: bool = False  # the loop runs a rebuilt engine's canary
     verdicts_in_a_row: int = 0  # poison verdicts since the last successful work step
+    outside_failures: int = 0  # failures outside any step and request since the last successful work step
 
     stats: ServiceStats = field(default_factory=ServiceStats)
     step_stats: StepStats = field(default_factory=StepStats)  # per-step histograms for /metrics

@@ -3,9 +3,10 @@
 When ``step()`` raises, or the watchdog sees work pending and no progress for
 ``watchdog_timeout`` seconds, it logs one ERROR with the traceback, fails the requests in the
 failing step with a retryable ``EngineFailure`` (marked ``struck``), carries every other pending
-request over, abandons the old engine and its loop thread (a late result from an abandoned step is
-ignored), and builds a new engine on the same loaded weights (then, if that fails, on weights
-reloaded from disk). After ``max_rebuilds`` consecutive failed rebuilds, or ``POISON_BREAKER``
+request over (all of them, for a failure outside any step), abandons the old engine and its loop
+thread (a late result from an abandoned step is ignored), and builds a new engine on the same
+loaded weights (then, if that fails, on weights reloaded from disk). After ``max_rebuilds``
+consecutive failed rebuilds, or as many failures outside any step in a row, or ``POISON_BREAKER``
 poison verdicts in a row, it gives up: the service turns unhealthy and calls ``on_fatal`` so the
 entry point can stop consuming and exit non-zero. Nothing here ever exits the process."""
 
@@ -124,33 +125,44 @@ class Supervisor:
             old_thread = s.loop_thread
             old_engine, s.engine = s.engine, None
             s.state = EngineState.REBUILDING
-            t = triage(s.pending.values(), set(s.step_rids), s.options.solo_attempts)
+            t = triage(s.pending.values(), set(s.step_rids), s.options.solo_attempts, busy=s.busy_rid)
+            # outside any step and any request's own work: nobody to blame, so nobody is struck;
+            # counted, so that an engine failing that way over and over is given up on
+            outside = not s.step_rids and s.busy_rid is None and not canary_failed
+            if outside:
+                s.outside_failures += 1
             s.requeue(t.carried)
             s.step_rids = ()
+            s.busy_rid = None
             s.stats.num_failures += 1
             s.stats.num_struck += len(t.struck)
             s.stats.num_poisoned += len(t.poisoned)
             s.stats.num_carried_over += len(t.carried)
         what = f"{type(exc).__name__}: {exc}" if exc is not None else reason
-        tb = "".join(traceback.format_exception(exc)) if exc is not None else "(no exception: the step hung)"
-        carry = f", carrying {len(t.carried)} others over to the new engine" if t.carried else ""
-        canary = " (the rebuilt engine's canary step)" if canary_failed else ""
-        log.error(
-            "engine failure%s: %s; failing %d in-flight requests with a retryable EngineFailure%s%s and "
-            "rebuilding the engine\n%s",
-            canary,
-            reason,
-            len(t.struck),
-            carry,
-            f", {len(t.poisoned)} for good as poison" if t.poisoned else "",
-            tb.rstrip(),
-        )
-        fail(t.struck, struck_error(reason))
-        for p in t.poisoned:
+        try:
+            tb = "".join(traceback.format_exception(exc)) if exc is not None else "(no exception: the step hung)"
+            carry = f", carrying {len(t.carried)} others over to the new engine" if t.carried else ""
+            canary = " (the rebuilt engine's canary step)" if canary_failed else ""
             log.error(
-                "quarantine: request %s failed alone %d times; failing it for good", p.request_id, p.solo_failures
+                "engine failure%s: %s; failing %d in-flight requests with a retryable EngineFailure%s%s%s and "
+                "rebuilding the engine\n%s",
+                canary,
+                reason,
+                len(t.struck),
+                " (outside any engine step: nobody is struck)" if outside else "",
+                carry,
+                f", {len(t.poisoned)} for good as poison" if t.poisoned else "",
+                tb.rstrip(),
             )
-            fail([p], poison_error(p, what))
+            for p in t.poisoned:
+                log.error(
+                    "quarantine: request %s failed alone %d times; failing it for good", p.request_id, p.solo_failures
+                )
+        finally:
+            # these requests have left the pending set: their futures are resolved whatever happened above
+            fail(t.struck, struck_error(reason))
+            for p in t.poisoned:
+                fail([p], poison_error(p, what))
         if old_engine is not None:
             # The engine holds its loop through this hook and the loop holds the engine: a cycle,
             # which only a full GC pass would free, and never once gc.freeze() has frozen it (the
@@ -161,6 +173,12 @@ class Supervisor:
         del exc
         if canary_failed:
             s.failed_rebuilds += 1  # rebuilt, but the engine failed its canary step
+        if s.outside_failures >= s.options.max_rebuilds:
+            self.give_up(
+                f"{s.outside_failures} engine failures in a row outside any engine step, with no successful "
+                f"step in between (last failure: {reason})"
+            )
+            return
         s.verdicts_in_a_row += len(t.poisoned)
         if s.verdicts_in_a_row >= POISON_BREAKER:
             # Poison is rare; request after request failing alone, with nothing succeeding in

@@ -2,7 +2,8 @@
 who is poison (a quarantined request that failed alone ``solo_attempts`` times), who is carried over
 to the new engine (everyone else), and the errors they get. Also the watchdog's verdict.
 
-A rebuilt engine first runs a canary; only a failed canary (or a failed build) counts towards
+A rebuilt engine first runs a canary; only a failed canary (or a failed build), or a failure that
+came outside any step and any request (nobody to blame, so nobody is struck), counts towards
 ``max_rebuilds``, so a request that crashes every engine it meets cannot make the worker give up.
 ``POISON_BREAKER`` verdicts in a row with no successful step between them mean the engine, not the
 requests, is broken: the service gives up instead."""
@@ -25,14 +26,16 @@ class Triage:
     carried: list[Pending]  # all others, oldest first: they go to the new engine
 
 
-def triage(pending: Iterable[Pending], in_step: set[str], solo_attempts: int) -> Triage:
-    """Sort the pending requests after a failure. Struck ones were in the failing step (or, if the
-    failure came outside a step, in the engine); a quarantined one hit that way counts a failed
-    solo run, and is poisoned at the ``solo_attempts``-th. Carried ones are marked out of the
-    engine."""
+def triage(pending: Iterable[Pending], in_step: set[str], solo_attempts: int, busy: str | None = None) -> Triage:
+    """Sort the pending requests after a failure. Struck ones were in the failing step, or are the
+    request ``busy`` whose own work the loop was doing outside a step when it hung (tokenizing it,
+    say). A failure outside any step and any request strikes nobody: all are carried over (the
+    supervisor bounds how often that may happen in a row). A quarantined request hit counts a
+    failed solo run, and is poisoned at the ``solo_attempts``-th. Carried ones are marked out of
+    the engine."""
     t = Triage([], [], [])
     for p in pending:
-        hit = p.in_engine and (p.request_id in in_step if in_step else True)
+        hit = (p.in_engine and p.request_id in in_step) or (busy is not None and p.request_id == busy)
         if hit and p.request.solo:
             p.solo_failures += 1
             (t.poisoned if p.solo_failures >= solo_attempts else t.carried).append(p)
