@@ -327,6 +327,36 @@ def test_clients_follow_the_master_through_a_failover(cluster):
 
 @needs_redis
 @pytest.mark.integration
+def test_a_command_cut_off_by_the_failover_is_retried_on_the_new_master(cluster):
+    """redis-py's own retry of a command reconnects to the address it had (``send_packed_command`` ->
+    ``connect_check_health``), not to the one the sentinels name: a command in flight when the primary
+    died kept knocking on the dead address until its retries ran out. Ours asks the sentinels again."""
+    r = redis_from_url(cluster.url(2))
+    r.delete("batchery-test-sentinel-list")
+    outcome: list[object] = []
+
+    def pop() -> None:
+        try:
+            outcome.append(r.blpop(["batchery-test-sentinel-list"], timeout=15))
+        except Exception as exc:  # noqa: BLE001
+            outcome.append(f"{type(exc).__name__}: {exc}")
+
+    t = threading.Thread(target=pop, daemon=True)
+    t.start()
+    wait_for(lambda: any(c.get("cmd") == "blpop" for c in cluster.direct("primary").client_list()), 10, what="BLPOP")
+    cluster.kill_primary()  # the BLPOP's connection breaks: its reply never comes
+    cluster.wait_promoted()
+    new_master = cluster.direct("replica")
+    new_master.execute_command("SELECT", 2)
+    new_master.rpush("batchery-test-sentinel-list", "after the failover")
+    t.join(60)
+    assert not t.is_alive(), "the command never came back"
+    assert outcome == [(b"batchery-test-sentinel-list", b"after the failover")], outcome
+    r.close()
+
+
+@needs_redis
+@pytest.mark.integration
 def test_a_master_name_no_sentinel_knows_fails_the_check(cluster):
     url = f"sentinel://127.0.0.1:{cluster.ports['sentinel']}/0?master_name=nosuch"
     t0 = time.monotonic()

@@ -224,9 +224,28 @@ def _sentinel_master_class() -> type:
     return SentinelMaster
 
 
+@functools.cache
+def _sentinel_connection_class() -> type:
+    from redis.sentinel import SentinelManagedConnection
+
+    class FollowingConnection(SentinelManagedConnection):
+        """A master connection that asks the sentinels where the master is whenever it reconnects.
+        redis-py's retry of a failed command reconnects through ``send_packed_command``, which goes
+        to the address the connection had (the dead master) and not through ``connect``, which asks
+        the sentinels: a command cut off by a failover failed after all its retries."""
+
+        def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+            if not self._sock:
+                self.connect()
+            super().send_packed_command(command, check_health)
+
+    return FollowingConnection
+
+
 def _sentinel_master(s: SentinelURL, kwargs: dict[str, Any]) -> Any:
     from redis.sentinel import Sentinel
 
+    kwargs.setdefault("connection_class", _sentinel_connection_class())
     node_kwargs = {k: v for k, v in kwargs.items() if k.startswith("socket_")} or sentinel_node_kwargs()
     sentinel = Sentinel(list(s.sentinels), sentinel_kwargs=node_kwargs)
     client = sentinel.master_for(
