@@ -44,6 +44,20 @@ Issue 13 added:
    it is not failed as ``submission_interrupted``.
 13. ``run-worker-exit``: ``batchery run``'s embedded worker SIGKILLed mid-job: restarted, every line
    written once, exit 0.
+14. ``kill-poison``: lines whose step ends the worker process (``exit_on``, like a segfault or the OOM
+   killer) among good ones, one worker restarted whenever it dies: each delivery is counted in Redis
+   before the engine sees it; after ``BATCHERY_MAX_DELIVERIES`` (3) deaths the line fails with
+   ``engine_crash`` and is dead-lettered; only those lines fail. Recovery: from the first death to the
+   job's end.
+15. ``sentinel-failover``: a private primary, replica and sentinel (``redis-server --sentinel``, quorum 1,
+   down-after 1 s); workers and client use ``sentinel://...?master_name=...`` URLs. The primary is
+   SIGKILLed mid-job, the sentinel promotes the replica, the worker and the client follow it.
+   Recovery: from the kill until every line recorded at the kill is recorded on the new master.
+16. ``sentinel-failover-lag``: as 15, with the replication stream held back 1 s before the kill (a relay
+   in front of the primary), so the records, acks and queue pops the old primary acknowledged in that
+   second are lost with it, as asynchronous replication allows; those lines run again (their messages
+   are still queued, or unacknowledged and restored after the visibility timeout). The notes say how
+   many acknowledged records the failover lost.
 
 In every row lost and duplicated must be 0 and failed must be exactly the lines meant to fail; the
 exit code is 1 otherwise. Everything runs against ``--redis`` (its own database, default 12) or a
@@ -87,6 +101,7 @@ WORDS = (
     "paper stone fire wind rain snow tree flower"
 ).split()
 POISON = "XYZZY"
+KILL_POISON = "KILLME"  # the exit_on fault's text: a step holding it ends the worker process
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ", re.M)
 
 
@@ -160,6 +175,9 @@ class Sizes:
     job_ttl: int = 60  # 11: BATCHERY_BATCH__TTL (its minimum): the job waits longer than this before it runs
     clock_skew_s: float = 125.0  # 12: how far ahead the second client's clock is
     run_requests: int = 40  # 13: lines of the `batchery run` job whose worker is SIGKILLed
+    kill_poison_good: int = 120  # 14: good lines beside ...
+    kill_poison_bad: int = 2  # ... lines that end the worker process
+    sentinel_requests: int = 200  # 15, 16: the job through a Sentinel failover
 
     @classmethod
     def fast(cls) -> Sizes:
@@ -180,6 +198,9 @@ class Sizes:
             recover_after=5.0,
             invalid_requests=30,
             run_requests=16,
+            kill_poison_good=30,
+            kill_poison_bad=1,
+            sentinel_requests=48,
         )
 
     @property
@@ -347,6 +368,185 @@ class PrivateRedis:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)  # a clean shutdown: the AOF is fsynced anyway
             self.proc.wait(30)
+
+
+SENTINEL_MASTER = "chaos-master"
+
+
+class LagRelay:
+    """A TCP relay in front of the primary: the address the sentinel monitors, so every client and the
+    replica go through it (a replica pointed at another address is re-pointed by the sentinel,
+    ``+fix-slave-config``). ``hold()`` keeps back, for good, what the primary sends on the replication
+    link (the connection that sent ``REPLCONF``/``PSYNC``); ``cut()`` closes everything."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream = upstream_port
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.holding = threading.Event()
+        self.held_bytes = 0
+        self.socks: list[socket.socket] = []
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True, name="lag-relay").start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                down, _ = self.server.accept()
+            except OSError:
+                return
+            try:
+                up = socket.create_connection(("127.0.0.1", self.upstream), timeout=5)
+                up.settimeout(None)
+            except OSError:
+                down.close()
+                continue
+            self.socks += [down, up]
+            link = {"replication": False}
+            threading.Thread(target=self._pump, args=(down, up, link, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, down, link, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, link: dict, from_primary: bool) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if not from_primary and (b"REPLCONF" in data or b"PSYNC" in data):
+                    link["replication"] = True
+                if from_primary and link["replication"] and self.holding.is_set():
+                    self.held_bytes += len(data)
+                    continue
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        self.closed = True
+        self.server.close()
+        for s in self.socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
+
+
+class PrivateSentinelGroup:
+    """A primary, a replica and one sentinel, private ``redis-server`` processes on free ports (no
+    persistence: a failover, not a restart, is what this rehearses). ``url`` is the ``sentinel://``
+    URL the workers and clients use; ``stop()`` kills all three (``Chaos.close`` calls it)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.dir = workdir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.ports = {n: free_port() for n in ("primary", "replica", "sentinel")}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.relay: LagRelay | None = None
+        self.monitored = self.ports["primary"]
+
+    @property
+    def url(self) -> str:
+        return f"sentinel://127.0.0.1:{self.ports['sentinel']}/0?master_name={SENTINEL_MASTER}"
+
+    def _server(self, name: str, *extra: str) -> None:
+        import redis
+
+        port = self.ports[name]
+        self.procs[name] = subprocess.Popen(
+            [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1"]
+            + ["--save", "", "--appendonly", "no", "--maxmemory-policy", "noeviction", "--dir", str(self.dir)]
+            + ["--logfile", str(self.dir / f"{name}.log"), *extra],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=port, socket_timeout=1)
+
+        def up() -> bool:
+            try:
+                return bool(client.ping())
+            except redis.RedisError:
+                return False
+
+        wait_until(up, 30, f"the private {name}")
+        client.close()
+
+    def direct(self, name: str):
+        import redis
+
+        return redis.Redis(port=self.ports[name], socket_timeout=2, socket_connect_timeout=2)
+
+    def info(self, name: str) -> dict:
+        import redis
+
+        try:
+            return self.direct(name).info("replication")
+        except redis.RedisError:
+            return {}
+
+    def start(self, relay: bool = False) -> PrivateSentinelGroup:
+        import redis
+
+        self._server("primary")
+        if relay:
+            self.relay = LagRelay(self.ports["primary"])
+            self.monitored = self.relay.port
+        self._server("replica", "--replicaof", "127.0.0.1", str(self.monitored))
+        wait_until(lambda: self.info("replica").get("master_link_status") == "up", 30, "the replica to sync")
+        conf = self.dir / "sentinel.conf"
+        conf.write_text(
+            f"port {self.ports['sentinel']}\nbind 127.0.0.1\ndir {self.dir}\nlogfile {self.dir / 'sentinel.log'}\n"
+            f"sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {self.monitored} 1\n"
+            f"sentinel down-after-milliseconds {SENTINEL_MASTER} 1000\n"
+            f"sentinel failover-timeout {SENTINEL_MASTER} 5000\n"
+        )
+        self.procs["sentinel"] = subprocess.Popen(
+            [shutil.which("redis-server") or "redis-server", str(conf), "--sentinel"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+        def sees_replica() -> bool:
+            try:
+                replicas = self.direct("sentinel").sentinel_slaves(SENTINEL_MASTER)
+            except redis.RedisError:
+                return False
+            return any(r["port"] == self.ports["replica"] and not r["is_sdown"] for r in replicas)
+
+        wait_until(sees_replica, 30, "the sentinel to find the replica")
+        return self
+
+    def master_port(self) -> int | None:
+        import redis
+
+        try:
+            addr = self.direct("sentinel").sentinel_get_master_addr_by_name(SENTINEL_MASTER)
+        except redis.RedisError:
+            return None
+        return int(addr[1]) if addr else None
+
+    def kill_primary(self) -> None:
+        self.procs["primary"].send_signal(signal.SIGKILL)
+        self.procs["primary"].wait(10)
+        if self.relay is not None:
+            self.relay.cut()  # what it held back never reaches the replica
+
+    def promoted(self) -> bool:
+        return self.master_port() == self.ports["replica"] and self.info("replica").get("role") == "master"
+
+    def stop(self) -> None:
+        if self.relay is not None:
+            self.relay.cut()
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
 
 
 # -- the harness ----------------------------------------------------------------------------------
@@ -1138,6 +1338,151 @@ class Chaos:
             self.say(stderr[-2000:])
         return row
 
+    def process_killing_poison(self) -> Row:
+        """Item 2: lines whose step ends the worker process (``exit_on``: ``os._exit(70)``, like a segfault or
+        the OOM killer) among good ones, one worker at a time, restarted whenever it dies. After
+        ``BATCHERY_MAX_DELIVERIES`` (3) deaths a line fails with ``engine_crash`` and is dead-lettered."""
+        from batchery.jobs.deadletter import WORKER_DIED, DeadLetters
+
+        s = self.sizes
+        # A private Redis: kombu's sweep for a dead worker's messages takes every queue's messages older than
+        # the visibility timeout, and this scenario kills workers on purpose.
+        red = PrivateRedis(self.workdir / f"redis-{len(self.redises)}").start()
+        self.redises.append(red)
+        q = self.new_queue(red.url)
+        env = {
+            "BATCHERY_FAULTS": f"exit_on:{KILL_POISON}",
+            "BATCHERY_DEADLETTER__KEY_PREFIX": f"{q}:deadletter",
+            "BATCHERY_DEADLETTER__DELIVERIES_PREFIX": f"{q}:deliveries",
+        }
+        worker = self.spawn(q, red.url, **env)
+        c = self.client(q, red.url)
+        n = s.kill_poison_good + s.kill_poison_bad
+        bad = {int((k + 0.5) * n / s.kill_poison_bad) for k in range(s.kill_poison_bad)}
+        lines = self.lines(n)
+        for i in bad:  # the exit_on text in the prompt (self.lines(poison=...) inserts POISON, the raising one)
+            msg = lines[i]["body"]["messages"][0]
+            msg["content"] = f"{msg['content']} {KILL_POISON}"
+        expected = {lines[i]["custom_id"]: "engine_crash" for i in bad}
+        job = c.submit_batch(lines)
+        exits: list[int] = []
+        first_death = None
+        deadline = time.time() + s.job_timeout * 3  # several worker starts and visibility timeouts
+        while time.time() < deadline and not c.batch_status(job).is_terminal:
+            code = worker.proc.poll()
+            if code is not None:
+                exits.append(code)
+                first_death = first_death or time.time()
+                self.say(f"kill-poison: the worker exited with code {code} (death {len(exits)}); starting another")
+                worker = self.spawn(q, red.url, ready=False, **env)
+            time.sleep(0.2)
+        recovery = time.time() - first_death if first_death else None
+        records = {r["custom_id"]: r for r in c.batch_results(job)}
+        max_deliveries = 3  # BATCHERY_MAX_DELIVERIES' default
+        named = all(
+            f"delivered {max_deliveries} times"
+            in ((records.get(lines[i]["custom_id"]) or {}).get("error") or {}).get("message", "")
+            for i in bad
+        )
+        dl = DeadLetters(c.jobs.r, f"{q}:deadletter")
+        letters = {e["id"]: e for e in dl.list(1000)}
+        dead_lettered = all(letters.get(f"{job}-{i + 1}", {}).get("reason") == WORKER_DIED for i in bad) and len(
+            letters
+        ) == len(bad)
+        row = self.tally(
+            f"14. {s.kill_poison_bad} lines that kill the worker process among {s.kill_poison_good} good",
+            c,
+            job,
+            lines,
+            expected_failed=expected,  # every other line completes: no innocent request failed
+            recovery_s=recovery,
+            checks={
+                "the worker died and came back": len(exits) >= max_deliveries and set(exits) == {70},
+                "at most 2 deaths shared, then one alone per poison line": len(exits) <= 2 + len(bad),
+                "engine_crash names the deliveries": named,
+                "the poison lines, and only they, are dead-lettered": dead_lettered,
+                "the last worker is alive": worker.proc.poll() is None,
+            },
+            notes=f"{len(exits)} worker deaths; visibility timeout {s.visibility_timeout:g} s",
+        )
+        worker.stop()
+        return row
+
+    def _sentinel(self, name: str, lag_s: float) -> Row:
+        s = self.sizes
+        group = PrivateSentinelGroup(self.workdir / f"sentinel-{len(self.redises)}").start(relay=lag_s > 0)
+        self.redises.append(group)  # type: ignore[arg-type]  # stop() at close; cleanup() skips its url
+        url = group.url
+        q = self.new_queue(url)
+        # 4 sequences a step: the job lasts long enough for the kill (and a 2 s hold) to find it mid-way
+        w = self.spawn(q, url, BATCHERY_MAX_NUM_SEQS="4", BATCHERY_CONCURRENCY="6")
+        c = self.client(q, url)
+        lines = self.lines(s.sentinel_requests, max_tokens=s.kill_max_tokens)
+        job = c.submit_batch(lines)
+        results_key = c.jobs.keys(job)[1]
+        waiter = self.waiter(c, job)  # the client waits through the failover, as `batchery batch wait` would
+        wait_until(lambda: self.done(c, job) >= len(lines) // 6, s.job_timeout, "a sixth of the job")
+        primary = group.direct("primary")
+        if lag_s:
+            group.relay.holding.set()
+            time.sleep(lag_s)
+        at_kill = primary.hlen(results_key)
+        t_kill = time.time()
+        group.kill_primary()
+        self.say(f"{name}: SIGKILLed the primary with {at_kill}/{len(lines)} lines recorded")
+        promoted_s = None
+        try:
+            wait_until(group.promoted, 60, "the sentinel to promote the replica", 0.1)
+            promoted_s = time.time() - t_kill
+        except TimeoutError:
+            pass
+        new_master = group.direct("replica")
+        on_new = new_master.hlen(results_key) if promoted_s is not None else 0
+        recovered = None
+        try:
+            wait_until(
+                lambda: new_master.hlen(results_key) >= at_kill, s.job_timeout, "the lines lost to be rerun", 0.1
+            )
+            recovered = time.time() - t_kill
+        except TimeoutError:
+            pass
+        waiter.join(s.job_timeout)
+        log = w.log()
+        checks = {
+            "the job was running at the kill": at_kill < len(lines),
+            "replica promoted": promoted_s is not None,
+            "worker followed the master (logged)": "Connection to broker lost" in log
+            and len(re.findall(r"Connected to sentinel://", log)) >= 2,
+            "worker still alive": w.proc.poll() is None and w.stats()["state"] == "serving",
+        }
+        lost_by_failover = at_kill - on_new
+        if lag_s:
+            checks["the failover lost acknowledged records"] = lost_by_failover > 0 and group.relay.held_bytes > 0
+        row = self.tally(
+            name,
+            c,
+            job,
+            lines,
+            expected_failed={},
+            recovery_s=recovered,
+            checks=checks,
+            notes=(f"promoted after {promoted_s:.1f} s; " if promoted_s is not None else "not promoted; ")
+            + f"{lost_by_failover} acknowledged records lost by the failover and run again"
+            + (f" (replication held back {lag_s:g} s)" if lag_s else "")
+            + f"; visibility timeout {s.visibility_timeout:g} s",
+        )
+        w.stop()
+        return row
+
+    def sentinel_failover(self) -> Row:
+        """Redis HA: a private primary, replica and sentinel; the primary SIGKILLed mid-job."""
+        return self._sentinel("15. Sentinel failover (primary SIGKILLed)", 0.0)
+
+    def sentinel_failover_lag(self) -> Row:
+        """As ``sentinel_failover``, with the replication stream held back 1 s before the kill: the writes the
+        old primary acknowledged in that second are lost with it, and the lines run again."""
+        return self._sentinel("16. Sentinel failover, replication 1 s behind", 1.0)
+
 
 def _descendant(root: int, needle: bytes) -> int | None:
     """A live descendant of ``root`` whose command line contains ``needle``."""
@@ -1180,6 +1525,9 @@ SCENARIOS = {
     "ttl": Chaos.outlives_ttl,
     "clock-ahead": Chaos.clock_ahead,
     "run-worker-exit": Chaos.run_worker_exit,
+    "kill-poison": Chaos.process_killing_poison,
+    "sentinel-failover": Chaos.sentinel_failover,
+    "sentinel-failover-lag": Chaos.sentinel_failover_lag,
 }
 
 
