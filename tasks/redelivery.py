@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from batchery.broker.connection import redis_from_url
+from batchery.broker.connection import redis_from_url, retry_through_outage
 from batchery.contract.errors import EngineCrash, EngineFailure, EngineUnavailable
 from batchery.contract.generation import GenerationRequest
 from batchery.jobs.deadletter import WORKER_DIED, DeadLetters, make_entry
@@ -42,6 +42,7 @@ from batchery.tasks.stores import app_resource
 
 log = logging.getLogger("batchery.redelivery")
 
+UNCOUNT_ATTEMPTS = 5  # 0.5 + 1 + 2 + 4 s of backoff, as for a batch line's record
 _alone = threading.Lock()  # one run alone at a time in this process: a death then blames only it
 
 
@@ -149,8 +150,16 @@ def attempt(task, gen: GenerationRequest, timeout: float) -> Iterator[tuple[Gene
         keep = False
         raise
     finally:
+        # Retried through a short outage (a Redis restart, a Sentinel failover): an uncount that is lost
+        # leaves a delivery that did not die counted as a death. Safe to repeat: dropping the counts is
+        # idempotent, and a repeated keep-uncount only ever under-counts deaths.
         try:
-            counters.end(task_id, alone=alone, keep=keep)
+            retry_through_outage(
+                lambda: counters.end(task_id, alone=alone, keep=keep),
+                f"uncounting the delivery of {task_id}",
+                attempts=UNCOUNT_ATTEMPTS,
+                logger=log,
+            )
         except Exception as exc:  # noqa: BLE001
             log.warning("deliveries: could not uncount the delivery of %s (%s)", task_id, exc)
 
