@@ -239,14 +239,28 @@ def _with_job(fn):
 
 
 def _batch_status_run(c, args) -> int:
-    _emit(args, c.batch_status(args.job))
+    from batchery.broker import presence
+
+    job = c.batch_status(args.job)
+    live = c.live_workers()  # None: cannot be told (not a Redis broker, or it does not answer at once)
+    if args.json:
+        doc = json.loads(job.model_dump_json())
+        if live is not None:
+            doc["workers"] = presence.summary(live, job.queue)
+        print(json.dumps(doc))
+        return 0
+    _print_job(job)
+    if live is not None and not job.is_terminal:
+        note = presence.absence_note(live, job.queue)
+        print(f"workers:   {note}" if note else f"workers:   {len(live[job.queue])} consuming queue '{job.queue}'")
     return 0
 
 
 def _batch_wait_args(p: argparse.ArgumentParser) -> None:
     _batch_id_args(
         "Wait for a job to end, with a live progress bar (done/total, failed, tokens/s, ETA) on a "
-        "terminal. Exit 0 when it completed, 1 if it failed or was cancelled, 124 on --timeout."
+        "terminal. Exit 0 when it completed, 1 if it failed or was cancelled, 124 on --timeout (also when Redis "
+        "stops answering: the wait never outlasts --timeout by more than a moment)."
     )(p)
     p.add_argument("--timeout", type=float, metavar="S", help="give up waiting after S seconds (exit 124)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -329,7 +343,10 @@ BATCH_COMMANDS: dict[str, Command] = {
     "submit": Command("submit a JSONL batch file; prints the job id", _batch_submit_args, _batch_submit_run),
     "status": Command(
         "show a job's state and counts",
-        _batch_id_args("Show a batch job's state, request counts, token usage and timestamps."),
+        _batch_id_args(
+            "Show a batch job's state, request counts, token usage and timestamps, and whether any worker has been "
+            "seen on its queue (the JSON form adds a 'workers' object: queue, seen, workers, other_queues)."
+        ),
         _with_job(_batch_status_run),
     ),
     "wait": Command("wait for a job, with a progress bar", _batch_wait_args, _with_job(_batch_wait_run)),

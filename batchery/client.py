@@ -24,16 +24,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
+from typing import TypeVar
 
 from celery.exceptions import TaskRevokedError
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
 from pydantic import BaseModel, ValidationError
 
+from batchery.broker import presence
 from batchery.broker.celery_app import make_celery
 from batchery.broker.connection import is_redis_url, redis_from_url, retry_through_outage
 from batchery.contract.errors import (
@@ -54,10 +57,12 @@ from batchery.contract.schemas import (
     check_timeout,
     describe_validation_error,
 )
-from batchery.contract.settings import Settings
+from batchery.contract.settings import Settings, mask_url
 from batchery.jobs.store import JobStore
 
 log = logging.getLogger("batchery.client")
+
+T = TypeVar("T")
 
 __all__ = [
     "Client",
@@ -71,13 +76,39 @@ __all__ = [
 ]
 
 
+PRESENCE_TIMEOUT_S = 1.0  # the worker-presence look-up after a timeout: a Redis that does not answer is skipped
+
+
 class Handle:
     """One enqueued request. ``get``/``aget`` return the pydantic response object."""
 
-    def __init__(self, result: AsyncResult, response_model: type[BaseModel], enqueued_at: float) -> None:
+    def __init__(
+        self,
+        result: AsyncResult,
+        response_model: type[BaseModel],
+        enqueued_at: float,
+        queue: str | None = None,
+        queue_note: Callable[[str], str | None] | None = None,
+    ) -> None:
         self._result = result
         self._model = response_model
         self.enqueued_at = enqueued_at  # time.time() just before the message was published
+        self.queue = queue
+        self._queue_note = queue_note
+
+    def _timeout(self, timeout: float, state: str | None = None) -> ResultTimeout:
+        """The error of a wait that gave up: names the queue, and whether any worker consumes it."""
+        where = "" if self.queue is None else f", queue '{self.queue}'"
+        head = f"no result for task {self.id} within {timeout:g} s (state {state or self._result.state}{where})"
+        note = None
+        if self.queue is not None and self._queue_note is not None:
+            try:
+                note = self._queue_note(self.queue)
+            except Exception:  # noqa: BLE001 - the note is a courtesy; the timeout is the error
+                note = None
+        if note:
+            return ResultTimeout(f"{head}: {note}")
+        return ResultTimeout(f"{head}; it may still complete")
 
     @property
     def id(self) -> str:
@@ -95,9 +126,7 @@ class Handle:
         try:
             value = self._result.get(timeout=timeout, propagate=True, disable_sync_subtasks=False)
         except CeleryTimeoutError:
-            raise ResultTimeout(
-                f"no result for task {self.id} within {timeout:g} s (state {self._result.state}); it may still complete"
-            ) from None
+            raise self._timeout(timeout or 0.0) from None
         except TaskRevokedError as exc:
             raise TaskExpired(f"task {self.id} was not run: it expired or was revoked ({exc})") from None
         return self._model.model_validate(value)
@@ -108,7 +137,7 @@ class Handle:
         delay = 0.01
         while not await asyncio.to_thread(self._result.ready):
             if deadline is not None and time.monotonic() >= deadline:
-                raise ResultTimeout(f"no result for task {self.id} within {timeout:g} s; it may still complete")
+                raise self._timeout(timeout or 0.0, "PENDING")
             await asyncio.sleep(delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(poll_interval, delay * 2)
         return await asyncio.to_thread(self.get, 5.0)
@@ -149,13 +178,13 @@ class Client:
         self.app = make_celery(settings)  # the worker's configuration: JSON only, routes
         self._jobs = None
         self._broker_redis = None  # for batchery.jobs.recover, on first use
+        self._presence_redis = None  # for worker presence: short timeouts, no retries
         self._credentials_checked = False
 
     def close(self) -> None:
-        if self._jobs is not None:
-            self._jobs.r.close()
-        if self._broker_redis is not None:
-            self._broker_redis.close()
+        for r in (self._jobs.r if self._jobs is not None else None, self._broker_redis, self._presence_redis):
+            if r is not None:
+                r.close()
         self.app.close()
 
     def __enter__(self) -> Client:
@@ -249,7 +278,7 @@ class Client:
             producer=producer,
             headers={ENQUEUED_AT_HEADER: now},
         )  # the worker's queue-wait metric
-        return Handle(result, model, now)
+        return Handle(result, model, now, self.queue, self.queue_note)
 
     def _send(self, name, schema, model, body, timeout, expires) -> Handle:
         self._check(schema, body)
@@ -264,6 +293,31 @@ class Client:
         self._check_credentials()
         with self.app.producer_or_acquire() as producer:
             return [self._publish(name, body, timeout, expires, model, producer) for body in bodies]
+
+    # -- workers --------------------------------------------------------------------------------
+    def live_workers(self) -> dict[str, list[dict]] | None:
+        """The workers announced in the broker's Redis, by queue (``batchery.broker.presence``); None when
+        that cannot be told (a broker other than Redis, or one that does not answer within a second)."""
+        if not is_redis_url(self.settings.broker_url):
+            return None
+        if self._presence_redis is None:
+            self._presence_redis = redis_from_url(
+                self.settings.broker_url,
+                socket_timeout=PRESENCE_TIMEOUT_S,
+                socket_connect_timeout=PRESENCE_TIMEOUT_S,
+                retry=None,
+            )
+        try:
+            return presence.workers(self._presence_redis)
+        except Exception as exc:  # noqa: BLE001 - unknown is an answer too
+            log.debug("cannot read worker presence: %s", exc)
+            return None
+
+    def queue_note(self, queue: str | None = None) -> str | None:
+        """A sentence when no worker has been seen on ``queue`` (default: this client's), naming the queues
+        that have workers; None when one has been seen, or when that cannot be told."""
+        live = self.live_workers()
+        return None if live is None else presence.absence_note(live, queue or str(self.queue))
 
     # -- batch jobs -----------------------------------------------------------------------------
     @property
@@ -317,9 +371,13 @@ class Client:
         bar = Progress(sys.stderr) if progress else None
         deadline = None if timeout is None else time.monotonic() + timeout
         last_done, last_change = -1, time.monotonic()
+        st: BatchJob | None = None
         try:
             while True:
-                st = self._status_through_outages(job_id, deadline)
+                try:
+                    st = self._status_through_outages(job_id, deadline)
+                except (_NoAnswer, *_redis_unavailable()) as exc:
+                    raise self._redis_timeout(job_id, timeout, st, exc) from None
                 if bar is not None:
                     bar.update(st)
                 if on_update is not None:
@@ -332,7 +390,9 @@ class Client:
                 elif recover_after is not None and now - last_change >= recover_after:
                     last_change = now  # look again only after another quiet period
                     try:
-                        self.requeue_lost(st)
+                        _call_by(deadline, lambda st=st: self.requeue_lost(st))
+                    except _NoAnswer:
+                        pass  # the wait's time is up: said below
                     except Exception as exc:  # noqa: BLE001 - a failed look must not stop the wait
                         log.warning("could not check batch job %s for lost lines: %s", job_id, exc)
                 if deadline is not None and time.monotonic() >= deadline:
@@ -361,9 +421,21 @@ class Client:
 
     def _status_through_outages(self, job_id: str, deadline: float | None) -> BatchJob:
         """``jobs.status``, waiting out a Redis outage (restart, failover) with backoff and saying
-        so in the log; gives up at ``deadline`` (None: never)."""
+        so in the log; gives up at ``deadline`` (None: never), also when Redis stops answering in the middle of
+        a call (``_NoAnswer``)."""
         return retry_through_outage(
-            lambda: self.jobs.status(job_id), f"waiting for batch job {job_id}", deadline=deadline, logger=log
+            lambda: _call_by(deadline, lambda: self.jobs.status(job_id)),
+            f"waiting for batch job {job_id}",
+            deadline=deadline,
+            logger=log,
+        )
+
+    def _redis_timeout(self, job_id: str, timeout: float | None, st: BatchJob | None, exc: Exception) -> ResultTimeout:
+        seen = "" if st is None else f"; last seen {st.status}, {st.num_done}/{st.request_counts.total} done"
+        why = "did not answer" if isinstance(exc, _NoAnswer) else f"did not answer ({type(exc).__name__}: {exc})"
+        return ResultTimeout(
+            f"batch job {job_id}: Redis at {mask_url(self.settings.result_backend)} {why} within the "
+            f"{timeout or 0:g} s timeout{seen}; the job may still be running"
         )
 
     def batch_results(self, job: str | BatchJob) -> Iterator[dict]:
@@ -386,3 +458,38 @@ class Client:
 
 def _job_id(job) -> str:
     return job.id if isinstance(job, BatchJob) else str(job)
+
+
+class _NoAnswer(ResultTimeout):
+    """A Redis call still unanswered at the wait's deadline (it goes on in a daemon thread)."""
+
+
+def _redis_unavailable() -> tuple[type[Exception], ...]:
+    import redis
+
+    return (redis.ConnectionError, redis.TimeoutError)
+
+
+def _call_by(deadline: float | None, fn: Callable[[], T]) -> T:
+    """``fn()``, given up at ``deadline`` (``time.monotonic()``; None: never) with ``_NoAnswer``. A Redis that
+    stops answering (paused, or unreachable with its TCP connection still up) holds a call for up to its socket
+    timeouts and retries; the call goes on in a daemon thread, which the process does not wait for at exit."""
+    if deadline is None:
+        return fn()
+    done = threading.Event()
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="batchery-wait-call", daemon=True).start()
+    if not done.wait(max(0.0, deadline - time.monotonic())):
+        raise _NoAnswer("Redis did not answer before the deadline")
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]

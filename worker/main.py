@@ -36,6 +36,7 @@ def run_worker(settings: Settings | None = None) -> int:
     from batchery.engine.config import EngineConfig
     from batchery.worker import kombu_patches
     from batchery.worker.app import make_app
+    from batchery.worker.background import start_background
     from batchery.worker.health import HealthServer
     from batchery.worker.metrics import WorkerMetrics
     from batchery.worker.service import EngineService
@@ -125,9 +126,12 @@ def run_worker(settings: Settings | None = None) -> int:
             service.stop()
             return EXIT_CONFIG
 
+    chores: list = []  # background threads (presence, lost-line recovery), once the worker consumes
+
     def on_ready(sender=None, **kwargs) -> None:
         if health is not None:
             health.consuming = True
+        chores.extend(start_background(settings, hostname))
         log.info(
             "batchery worker ready: model=%s dtype=%s kv_blocks=%d max_model_len=%d queue=%s threads=%d",
             settings.model,
@@ -143,6 +147,8 @@ def run_worker(settings: Settings | None = None) -> int:
         if health is not None:
             health.consuming = False
         service.begin_drain(settings.shutdown_grace)
+        for chore in chores:
+            chore.stop()
 
     signals.worker_ready.connect(on_ready, weak=False)
     signals.worker_shutting_down.connect(on_shutting_down, weak=False)
@@ -168,6 +174,10 @@ def run_worker(settings: Settings | None = None) -> int:
         service.stop()
         if health is not None:
             health.stop()
+        for chore in chores:
+            chore.stop()
+        for chore in chores:
+            chore.join(2.0)  # the presence withdrawal, the recovery lock's release
     if fatal.is_set() or service.fatal:
         log.critical("worker exiting with code %d: %s", EXIT_ENGINE_DEAD, service.fatal_reason)
         return EXIT_ENGINE_DEAD

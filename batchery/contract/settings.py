@@ -177,6 +177,13 @@ class Settings(BaseSettings):
     # supervision
     watchdog_timeout: float = Field(default=300.0, gt=0, description="work pending, no step for this long = failed")
     max_rebuilds: int = Field(default=3, ge=1, description="consecutive failed rebuilds before the worker gives up")
+    recovery_interval: float = Field(
+        default=30.0,
+        ge=0,
+        le=3600,
+        description="seconds between a worker's looks for batch lines whose messages the broker lost (one worker "
+        "of a queue at a time; jobs quiet for that long); 0 = off",
+    )
     faults: str = Field(
         default="", description="fault injection for rehearsals (worker/service/faults.py); empty = none"
     )

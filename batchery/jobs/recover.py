@@ -6,17 +6,24 @@ worker dies, between the two, the message is gone: persistence cannot help, the 
 persisted. A batch job would then wait forever for that line.
 
 The submitter keeps a copy of every line's message in the job's ``pending`` ledger until the line
-is recorded (``batchery.jobs.store``). A line is lost when the job is ``in_progress`` and the line is still
-pending, but its queue is empty (no copy waits there), no worker holds its message unacknowledged,
-and no worker has a live lease on it. The check runs twice, a moment apart, so a message caught
-between ``BRPOP`` and its ``unacked`` record is not taken for lost. A lost line's message is queued
-again with a fresh delivery tag; should the original turn up after all, the line is claimed and
-recorded once (``JobStore.claim``/``write``), so a false alarm costs a duplicate run, never a
-duplicate record.
+is recorded (``batchery.jobs.store``). A line is lost when the job is ``in_progress`` and the line is
+still pending, but no copy of its message waits in the queue, no worker holds it unacknowledged, and no
+worker has a live lease on it. Each line is looked up in the queue itself (``queued_lines``: a script
+reads the queue's lists a bounded piece at a time and picks out the task ids of the jobs asked about),
+so other messages on the queue, of other jobs or of the same one, hide nothing. A look reads the queue,
+then ``unacked``, then the leases, then the ledger: the order a message moves in, so one moving on during
+the look is still seen in a later place. The look runs twice, a moment apart, so a message caught between
+``BRPOP`` and its ``unacked`` record is not taken for lost. A lost line's message goes back to the head
+of its queue with a fresh delivery tag; should the original turn up after all, the line is claimed and
+recorded once (``JobStore.claim``/``write``), so a false alarm costs a duplicate run, never a duplicate
+record.
 
-``Client.wait_batch`` (and so ``batchery batch wait`` and ``batchery run``) calls ``requeue_lost``
-when a job has made no progress for a while. Needs a Redis broker (the ledger holds raw kombu
-messages)."""
+Who looks: every worker, one at a time (``RecoveryLock``), every ``BATCHERY_RECOVERY_INTERVAL`` seconds,
+at the in-progress jobs of its queue that have recorded no line for that long (``recover_queue``, from
+``batchery.worker.background``). A job nobody watches completes. ``Client.wait_batch`` (and so ``batchery batch
+wait`` and ``batchery run``) also calls ``requeue_lost`` when a job has made no progress for a while, for
+workers that do not recover (the interval set to 0, or older versions). Needs a Redis broker (the ledger holds
+raw kombu messages)."""
 
 from __future__ import annotations
 
@@ -30,57 +37,180 @@ from batchery.broker.queues import queue_key, queue_keys
 log = logging.getLogger("batchery.recover")
 
 CONFIRM_S = 1.0  # the second look, to let a message in flight between BRPOP and unacked land
+SCAN_MAX_MESSAGES = 1000  # messages one script call reads
+SCAN_MAX_BYTES = 8 << 20  # and bytes: each call holds Redis for a few milliseconds, whatever the queue
+SCAN_MAX_CALLS = 10_000  # calls per list and look: a list growing faster than it is read is left for later
+MAX_JOBS_PER_ROUND = 50  # quiet jobs a recovery round looks at
+LOCK_PREFIX = "batchery:recovery"
+
+# KEYS: one of a queue's lists   ARGV: start index, max messages, max bytes, then the job ids looked for
+# Returns {next index, the list's length, {job, line, job, line, ...}}. Reads from the left (the newest end):
+# pushes at the left only move unread messages further right and pops at the right take only unread ones, so
+# no message that stays in the list is skipped. A message's task id is its ``"id":`` key's value (headers.id;
+# the body is base64, so nothing else in the message spells it); compact and spaced JSON both match.
+_QUEUED = """
+local wanted = {}
+for i = 4, #ARGV do wanted[ARGV[i]] = true end
+local i = tonumber(ARGV[1])
+local stop = i + tonumber(ARGV[2])
+local max_bytes = tonumber(ARGV[3])
+local bytes = 0
+local found = {}
+while i < stop and bytes < max_bytes do
+  local batch = redis.call('LRANGE', KEYS[1], i, math.min(i + 31, stop - 1))
+  if #batch == 0 then break end
+  for _, msg in ipairs(batch) do
+    bytes = bytes + #msg
+    local pos = 1
+    while true do
+      local s, e = string.find(msg, '"id":', pos, true)
+      if not s then break end
+      local id = string.match(msg, '^%s*"([^"]*)"', e + 1)
+      if id then
+        local job, line = string.match(id, '^(.*)%-(%d+)$')
+        if job and wanted[job] then
+          found[#found + 1] = job
+          found[#found + 1] = line
+        end
+      end
+      pos = e + 1
+    end
+  end
+  i = i + #batch
+end
+return {i, redis.call('LLEN', KEYS[1]), found}
+"""
+
+# KEYS: the lock   ARGV: token, ttl ms. Takes the lock, or keeps it if the token holds it already.
+_ACQUIRE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+return 0
+"""
+# KEYS: the lock   ARGV: token, ttl ms
+_EXTEND = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+# KEYS: the lock   ARGV: token
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
-def held_lines(broker, queue: str, job_id: str) -> set[int]:
-    """Lines of ``job_id`` whose messages some worker holds unacknowledged (kombu's ``unacked``)."""
-    prefix = f"{job_id}-"
-    lines = set()
+def _s(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class RecoveryLock:
+    """The right to recover ``queue``'s jobs, for one worker at a time: a Redis key holding a token, taken with
+    ``SET NX PX`` and kept by its holder while it goes on (``acquire`` again, ``extend``); released only by its
+    holder (compare-and-delete), or it expires ``ttl_s`` after the holder was last heard of."""
+
+    def __init__(self, broker, queue: str, ttl_s: float) -> None:
+        self.r = broker
+        self.key = f"{LOCK_PREFIX}:{queue}"
+        self.token = uuid.uuid4().hex
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self._acquire = broker.register_script(_ACQUIRE)
+        self._extend = broker.register_script(_EXTEND)
+        self._release = broker.register_script(_RELEASE)
+
+    def acquire(self) -> bool:
+        return bool(self._acquire(keys=[self.key], args=[self.token, self.ttl_ms]))
+
+    def extend(self) -> bool:
+        """Whether this holder still has the lock (now for another ``ttl_s``)."""
+        return bool(self._extend(keys=[self.key], args=[self.token, self.ttl_ms]))
+
+    def release(self) -> None:
+        self._release(keys=[self.key], args=[self.token])
+
+
+def queued_lines(broker, queue: str, jobs: list[str]) -> dict[str, set[int]] | None:
+    """The lines of each of ``jobs`` whose messages wait in ``queue`` (any priority); None if a list could not
+    be read to its end (it grew faster than it was read)."""
+    found: dict[str, set[int]] = {j: set() for j in jobs}
+    if not jobs:
+        return found
+    script = broker.register_script(_QUEUED)
+    for key in queue_keys(queue):
+        start = 0
+        for _ in range(SCAN_MAX_CALLS):
+            nxt, length, pairs = script(keys=[key], args=[start, SCAN_MAX_MESSAGES, SCAN_MAX_BYTES, *jobs])
+            for i in range(0, len(pairs), 2):
+                found[_s(pairs[i])].add(int(pairs[i + 1]))
+            if int(nxt) >= int(length):
+                break
+            start = int(nxt)
+        else:
+            return None
+    return found
+
+
+def held_lines(broker, jobs: list[str]) -> dict[str, set[int]]:
+    """The lines of each of ``jobs`` whose messages some worker holds unacknowledged (kombu's ``unacked``)."""
+    found: dict[str, set[int]] = {j: set() for j in jobs}
+    needles = [j.encode() for j in jobs]
     for _tag, raw in broker.hscan_iter("unacked", count=1000):
-        try:
-            message, _exchange, routing_key = json.loads(raw)
-            task_id = (message.get("headers") or {}).get("id") or ""
-        except (ValueError, TypeError, AttributeError):
+        if not any(n in raw for n in needles):
             continue
-        if routing_key == queue and task_id.startswith(prefix):
-            try:
-                lines.add(int(task_id[len(prefix) :]))
-            except ValueError:
-                pass
-    return lines
+        try:
+            message = json.loads(raw)[0]
+            task_id = str((message.get("headers") or {}).get("id") or "")
+        except (ValueError, TypeError, AttributeError, IndexError, KeyError):
+            continue
+        job, _, line = task_id.rpartition("-")
+        if job in found and line.isdigit():
+            found[job].add(int(line))
+    return found
 
 
-def _candidates(store, broker, job_id: str, queue: str) -> set[int]:
-    if store.get_status(job_id) != "in_progress":
-        return set()
-    if any(broker.llen(k) for k in queue_keys(queue)):
-        return set()  # messages still wait in the queue: nothing can be called lost yet
-    pending = store.pending_lines(job_id)
-    if not pending:
-        return set()
-    return pending - store.leased_lines(job_id) - held_lines(broker, queue, job_id)
+def _look(store, broker, queue: str, jobs: list[str]) -> dict[str, set[int]]:
+    """Lines of ``jobs`` that look lost now: pending, and neither queued, held nor leased."""
+    queued = queued_lines(broker, queue, jobs)
+    if queued is None:
+        return {}
+    held = held_lines(broker, jobs)
+    out = {}
+    for job in jobs:
+        if store.get_status(job) != "in_progress":
+            continue
+        leased = store.leased_lines(job)
+        lost = store.pending_lines(job) - queued[job] - held[job] - leased  # the ledger last: see the docstring
+        if lost:
+            out[job] = lost
+    return out
+
+
+def find_lost_many(store, broker, queue: str, jobs: list[str], confirm_s: float = CONFIRM_S) -> dict[str, set[int]]:
+    """The lost lines of each of ``jobs`` (all on ``queue``): those that looked lost twice, ``confirm_s`` apart."""
+    first = _look(store, broker, queue, jobs)
+    if not first:
+        return {}
+    time.sleep(confirm_s)
+    second = _look(store, broker, queue, list(first))
+    return {job: lines & second[job] for job, lines in first.items() if lines & second.get(job, set())}
 
 
 def find_lost(store, broker, job_id: str, queue: str, confirm_s: float = CONFIRM_S) -> set[int]:
     """Lines of the job that nothing will ever run (see the module docstring)."""
-    first = _candidates(store, broker, job_id, queue)
-    if not first:
-        return set()
-    time.sleep(confirm_s)
-    return first & _candidates(store, broker, job_id, queue)
+    return find_lost_many(store, broker, queue, [job_id], confirm_s).get(job_id, set())
 
 
-def requeue_lost(store, broker, job_id: str, queue: str, confirm_s: float = CONFIRM_S) -> int:
-    """Queue again the messages of the job's lost lines; returns how many."""
-    lost = sorted(find_lost(store, broker, job_id, queue, confirm_s))
-    if not lost:
+def requeue(store, broker, job_id: str, queue: str, lines: list[int]) -> int:
+    """Put the ledger's copies of ``lines`` (those still pending) back at the head of the queue, each with a fresh
+    delivery tag; returns how many."""
+    messages = store.pending_messages(job_id, sorted(lines))
+    if not messages:
         return 0
-    messages = store.pending_messages(job_id, lost)
     with broker.pipeline(transaction=False) as p:
         for raw in messages.values():
             msg = json.loads(raw)
             msg["properties"]["delivery_tag"] = str(uuid.uuid4())
-            p.lpush(queue_key(queue, msg["properties"].get("priority") or 0), json.dumps(msg))
+            # RPUSH: the end BRPOP takes from (the head); the line has waited long enough
+            p.rpush(queue_key(queue, msg["properties"].get("priority") or 0), json.dumps(msg))
         p.execute()
     log.warning(
         "batch job %s: the messages of %d lines were lost by the broker (a Redis restart or a worker "
@@ -90,3 +220,35 @@ def requeue_lost(store, broker, job_id: str, queue: str, confirm_s: float = CONF
         ", ".join(map(str, list(messages)[:20])) + (" ..." if len(messages) > 20 else ""),
     )
     return len(messages)
+
+
+def requeue_lost(store, broker, job_id: str, queue: str, confirm_s: float = CONFIRM_S) -> int:
+    """Queue again the messages of the job's lost lines; returns how many."""
+    lost = find_lost(store, broker, job_id, queue, confirm_s)
+    return requeue(store, broker, job_id, queue, sorted(lost)) if lost else 0
+
+
+def recover_queue(
+    store,
+    broker,
+    queue: str,
+    lock: RecoveryLock,
+    quiet_s: float,
+    max_jobs: int = MAX_JOBS_PER_ROUND,
+    confirm_s: float = CONFIRM_S,
+) -> int:
+    """One recovery round for ``queue``, if this caller holds (or takes) ``lock``: the lost lines of the
+    in-progress jobs on the queue that have recorded no line for ``quiet_s`` seconds, queued again. Returns how
+    many lines; 0 without the lock."""
+    if not lock.acquire():
+        return 0
+    jobs = store.quiet_jobs(queue, quiet_s, max_jobs)
+    if not jobs:
+        return 0
+    lost = find_lost_many(store, broker, queue, jobs, confirm_s)
+    n = 0
+    for job, lines in lost.items():
+        if not lock.extend():  # the round outlived the lock and another worker took over: it decides now
+            break
+        n += requeue(store, broker, job, queue, sorted(lines))
+    return n

@@ -27,8 +27,9 @@ Every transition is one Lua script, so it is atomic against every other writer:
 
 - ``claim``: a worker may run a line only while the job is ``validating`` or ``in_progress`` and the
   line has no record yet; it takes a lease on the line.
-- ``write``: ``HSETNX`` of the record and, only if it was new, the counter increments, all in one
-  script (and the line leaves the ``pending`` ledger). A redelivered or retried request can never
+- ``write``: ``HSETNX`` of the record and, only if it was new, the counter increments and ``progress_at``
+  (server time; lost-line recovery looks at jobs quiet for a while), all in one script (and the line leaves the
+  ``pending`` ledger). A redelivered or retried request can never
   duplicate a line or a count. The last record of an ``in_progress`` job moves it to
   ``finalizing``; ``finalize`` then makes it ``completed`` (and applies the job's TTL to all its keys).
 - ``chunk``/``ledger``: a submitted chunk's count, heartbeat and task-message copies.
@@ -49,6 +50,8 @@ again (``batchery.jobs.recover``). It costs about as much Redis memory as the qu
 from __future__ import annotations
 
 import json
+import logging
+import random
 import threading
 import time
 import uuid
@@ -56,12 +59,15 @@ from collections.abc import Iterator
 
 from batchery.contract.schemas import TERMINAL_STATUSES, BatchJob
 
+log = logging.getLogger("batchery.jobs")
+
 ACTIVE_STATUSES = frozenset({"validating", "in_progress"})  # lines may still start
 STOPPED_STATUSES = frozenset({"cancelling", "cancelled", "failed"})  # lines must not run
 FINALIZE_STALE_S = 10.0  # a job finalizing for this long lost its finalizer
 SUBMIT_STALE_S = 120.0  # a validating job whose submitter has not beaten for this long is dead
 LEASE_GRACE_S = 30.0  # a running lease outlives its request's deadline by this much
 MAX_REPAIRS_PER_CREATE = 20  # old jobs that never ended, looked at (and repaired) by each create
+MAX_INDEX_SCAN = 50_000  # newest jobs of the index that lost-line recovery looks through, per round
 
 _PRELUDE = """
 local function server_now()
@@ -170,6 +176,7 @@ redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
 if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then return {0, status} end
 inherit_ttl(KEYS[2], KEYS[1])
+redis.call('HSET', KEYS[1], 'progress_at', server_now())
 redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
 if tonumber(ARGV[4]) > 0 then redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[4]) end
 if tonumber(ARGV[5]) > 0 then redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[5]) end
@@ -522,6 +529,36 @@ class JobStore:
         v = self.r.hget(self.key(job_id), "status")
         return None if v is None else _s(v)
 
+    def get_statuses(self, job_ids: list[str]) -> list[str | None]:
+        """``get_status`` of each job, in one round trip."""
+        with self.r.pipeline(transaction=False) as p:
+            for j in job_ids:
+                p.hget(self.key(j), "status")
+            return [None if v is None else _s(v) for v in p.execute()]
+
+    def quiet_jobs(self, queue: str, quiet_s: float, limit: int, scan: int = MAX_INDEX_SCAN) -> list[str]:
+        """Up to ``limit`` ``in_progress`` jobs on ``queue`` (among the ``scan`` newest of the index) that have
+        recorded no line for ``quiet_s`` seconds of server time (or, without any record, since they went
+        ``in_progress``): where lost-line recovery looks. A random pick when there are more, so none is left out
+        for good."""
+        now = self.server_time()
+        quiet: list[str] = []
+        for start in range(0, scan, 1000):
+            ids = [_s(j) for j in self.r.zrevrange(self.index_key, start, min(start + 1000, scan) - 1)]
+            if not ids:
+                break
+            with self.r.pipeline(transaction=False) as p:
+                for j in ids:
+                    p.hmget(self.key(j), ["status", "queue", "progress_at", "in_progress_at"])
+                rows = p.execute()
+            for j, (status, q, progress_at, in_progress_at) in zip(ids, rows):
+                if status is None or _s(status) != "in_progress" or q is None or _s(q) != queue:
+                    continue
+                since = max(float(_s(progress_at or b"0") or 0), float(_s(in_progress_at or b"0") or 0))
+                if now - since >= quiet_s:
+                    quiet.append(j)
+        return quiet if len(quiet) <= limit else random.sample(quiet, limit)
+
     def status(self, job_id: str, repair: bool = True) -> BatchJob:
         """The job's state. Raises ``JobNotFound`` (``JobMalformed`` for a hash that is no job). With
         ``repair``, finishes what a dead finalizer, canceller or submitter left half done (see the module
@@ -653,30 +690,79 @@ class JobStore:
 
 
 class JobWatch:
-    """Worker side: "should this job's lines stop?", answered from a per-job cache refreshed at
-    most every ``interval`` seconds, so hundreds of waiting task threads cost a few reads a second."""
+    """Worker side: "should this job's lines stop?" (cancelled, failed or gone), answered at once from a per-job
+    cache. A background thread refreshes the cache every ``interval`` seconds with one pipelined read for every
+    job asked about in the last ``forget_s``, so hundreds of waiting task threads cost one round trip per
+    interval, and a paused or unreachable Redis never blocks a task thread: the last known answer holds
+    (a job not known yet counts as running), and the request's own deadline still fires on time."""
 
-    def __init__(self, store: JobStore, interval: float = 0.5) -> None:
+    def __init__(self, store: JobStore, interval: float = 0.5, forget_s: float = 60.0) -> None:
         self.store = store
         self.interval = interval
+        self.forget_s = forget_s
         self._lock = threading.Lock()
-        self._cache: dict[str, tuple[float, str | None]] = {}
+        self._status: dict[str, str | None] = {}  # job -> last status read (None: no such job)
+        self._asked: dict[str, float] = {}  # job -> when it was last asked about (monotonic)
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing = False
 
     def stopped(self, job_id: str) -> bool:
-        now = time.monotonic()
+        """Whether the job's lines must stop, as last read (never waits on Redis)."""
         with self._lock:
-            hit = self._cache.get(job_id)
-        if hit is None or now - hit[0] >= self.interval:
-            try:
-                status = self.store.get_status(job_id)
-            except Exception:  # noqa: BLE001 - Redis hiccup: keep going; the deadline still holds
-                return False
+            self._asked[job_id] = time.monotonic()
+            known = job_id in self._status
+            status = self._status.get(job_id)
+            if self._thread is None and not self._closed.is_set():
+                self._thread = threading.Thread(target=self._run, name="batchery-job-watch", daemon=True)
+                self._thread.start()
+        if not known:
+            self._wake.set()  # a job seen for the first time: read it now, not at the next tick
+            return False
+        return status is None or status in STOPPED_STATUSES
+
+    def known(self, job_id: str) -> bool:
+        """Whether the job's status has been read at least once."""
+        with self._lock:
+            return job_id in self._status
+
+    def close(self) -> None:
+        """Stop the refresh thread (tests; a worker's watch lives as long as the process)."""
+        self._closed.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(1.0)
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if self._closed.is_set():
+                return
+            now = time.monotonic()
             with self._lock:
-                if len(self._cache) > 4096:
-                    self._cache.clear()
-                self._cache[job_id] = (now, status)
-            hit = (now, status)
-        return hit[1] is None or hit[1] in STOPPED_STATUSES
+                for job, asked in list(self._asked.items()):
+                    if now - asked > self.forget_s:
+                        del self._asked[job]
+                        self._status.pop(job, None)
+                jobs = list(self._asked)
+            if not jobs:
+                continue
+            try:
+                statuses = self.store.get_statuses(jobs)
+            except Exception as exc:  # noqa: BLE001 - Redis hiccup: the last answers hold; the deadlines still do
+                if not self._failing:
+                    log.warning("cannot read batch job statuses (%s); cancel checks use the last known state", exc)
+                    self._failing = True
+                continue
+            if self._failing:
+                log.warning("batch job statuses readable again")
+                self._failing = False
+            with self._lock:
+                for job, status in zip(jobs, statuses):
+                    if job in self._asked:
+                        self._status[job] = status
 
 
 __all__ = [

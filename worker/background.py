@@ -1,0 +1,124 @@
+"""The worker's background chores, each a daemon thread started once the worker consumes and stopped when it
+stops: its presence announcement (``batchery.broker.presence``) and lost-line recovery
+(``batchery.jobs.recover.recover_queue``). Neither ever stops the worker: a failure is logged once when it
+starts and once when it ends (a Redis outage is quiet beyond that), and the chore goes on."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from batchery.broker import presence
+from batchery.broker.connection import is_redis_url, redis_from_url
+from batchery.contract.settings import Settings
+
+log = logging.getLogger("batchery.worker.background")
+
+
+class Periodic:
+    """``tick()`` every ``interval`` seconds (times ``jitter``) on a daemon thread; ``last()`` once on stop."""
+
+    def __init__(
+        self,
+        name: str,
+        interval: float,
+        tick: Callable[[], object],
+        last: Callable[[], object] | None = None,
+        jitter: float = 0.0,
+    ) -> None:
+        self.name = name
+        self.interval = interval
+        self.jitter = jitter
+        self._tick = tick
+        self._last = last
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"batchery-{name}", daemon=True)
+        self._failing = False
+
+    def start(self) -> Periodic:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Ask the thread to stop (never blocks: safe in a signal handler)."""
+        self._stop.set()
+
+    def join(self, timeout: float) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        delay = 0.0  # the first tick at once
+        while not self._stop.wait(delay):
+            self._guarded(self._tick)
+            delay = self.interval * random.uniform(1 - self.jitter, 1 + self.jitter)
+        if self._last is not None:
+            self._guarded(self._last)
+
+    def _guarded(self, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - a chore must never take the worker down
+            if not self._failing:
+                name, why = self.name, f"{type(exc).__name__}: {exc}"
+                log.warning("%s failed (%s); trying again every %.0f s", name, why, self.interval)
+                self._failing = True
+            return
+        if self._failing:
+            log.warning("%s works again", self.name)
+            self._failing = False
+
+
+def presence_beacon(settings: Settings, hostname: str) -> Periodic:
+    """Announce ``hostname`` on the worker's queue every few seconds; withdraw it on stop."""
+    r = redis_from_url(settings.broker_url)
+    queue = str(settings.queue)  # derived by Settings
+    info = {"model": settings.model, "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time()}
+    return Periodic(
+        "presence",
+        presence.ANNOUNCE_EVERY_S,
+        lambda: presence.announce(r, queue, hostname, info),
+        lambda: presence.withdraw(r, queue, hostname),
+    )
+
+
+def lost_line_recovery(settings: Settings) -> Periodic:
+    """Every ``BATCHERY_RECOVERY_INTERVAL`` seconds, if this worker holds its queue's recovery lock, queue again the
+    lost lines of the queue's jobs quiet for that long. The lock is held while the holder goes on (it outlives a
+    few intervals) and released on stop, so another worker takes over at once."""
+    from batchery.jobs.recover import RecoveryLock, recover_queue
+    from batchery.jobs.store import JobStore
+
+    interval = settings.recovery_interval
+    queue = str(settings.queue)  # derived by Settings, as the result backend is
+    broker = redis_from_url(settings.broker_url)
+    store = JobStore(redis_from_url(str(settings.result_backend)), settings.batch.key_prefix, settings.batch.ttl)
+    lock = RecoveryLock(broker, queue, ttl_s=max(3 * interval, 30.0))
+    return Periodic(
+        "lost-line recovery",
+        interval,
+        lambda: recover_queue(store, broker, queue, lock, quiet_s=interval),
+        lock.release,
+        jitter=0.2,
+    )
+
+
+def start_background(settings: Settings, hostname: str) -> list[Periodic]:
+    """The chores of a worker that now consumes (none on a broker other than Redis)."""
+    if not is_redis_url(settings.broker_url):
+        return []
+    makers: list[Callable[[], Periodic]] = [lambda: presence_beacon(settings, hostname)]
+    if settings.recovery_interval > 0:
+        makers.append(lambda: lost_line_recovery(settings))
+    chores = []
+    for make in makers:
+        try:
+            chores.append(make().start())
+        except Exception:  # noqa: BLE001 - a chore that cannot start must not stop the worker
+            log.exception("a background chore could not start")
+    return chores
