@@ -113,7 +113,8 @@ def test_a_failure_outside_any_step_strikes_nobody(make_service, caplog):
     results = outcomes([running, *later])
     assert all(not isinstance(r, Exception) for r in results), results
     assert len(results[0].token_ids) == 400 and all(len(r.token_ids) == 8 for r in results[1:])
-    assert (s.num_failures, s.num_struck, s.num_carried_over) == (1, 0, 4)
+    assert (s.num_failures, s.num_struck) == (1, 0)
+    assert s.num_carried_over >= 2  # the running request and what had arrived (the rest may come after)
     assert any("failing 0 in-flight requests" in r.getMessage() for r in caplog.records)
 
 
