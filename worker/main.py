@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 from batchery.contract.settings import Settings, mask_url
 from batchery.worker.logs import configure_logging
@@ -176,8 +177,9 @@ def run_worker(settings: Settings | None = None) -> int:
             health.stop()
         for chore in chores:
             chore.stop()
+        until = time.monotonic() + 2.0  # the presence withdrawal, the recovery lock's release: 2 s in all
         for chore in chores:
-            chore.join(2.0)  # the presence withdrawal, the recovery lock's release
+            chore.join(max(0.0, until - time.monotonic()))
     if fatal.is_set() or service.fatal:
         log.critical("worker exiting with code %d: %s", EXIT_ENGINE_DEAD, service.fatal_reason)
         return EXIT_ENGINE_DEAD
