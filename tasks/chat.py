@@ -6,7 +6,9 @@ app (``app.batchery_service``, ``app.batchery_settings``), set by the worker ent
 
 Error policy:
 - a bad body (or a prompt the engine refuses) -> ``InvalidRequest``, never retried;
-- the deadline passes -> the request is aborted in the engine -> ``DeadlineExceeded``, not retried;
+- the deadline passes -> the request is aborted in the engine -> ``DeadlineExceeded``, not retried
+  (time spent waiting in the quarantine lane for a turn to run alone does not count, up to what the
+  visibility timeout allows: ``max_held``);
 - ``EngineFailure`` -> retried with exponential backoff and jitter, up to ``max_retries``, on any
   worker of the queue; one that was in the failing step is a strike, and a request with
   ``BATCHERY_QUARANTINE__AFTER`` strikes runs alone (``batchery.tasks.quarantine``);
@@ -21,17 +23,14 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from concurrent.futures import TimeoutError as FutureTimeout
 
 from celery.exceptions import Reject
 from pydantic import BaseModel, ValidationError
 
 from batchery.contract.errors import (
-    DeadlineExceeded,
     EngineFailure,
     EngineUnavailable,
     InvalidRequest,
-    RequestCancelled,
 )
 from batchery.contract.generation import GenerationRequest, GenerationResult
 from batchery.contract.schemas import (
@@ -53,8 +52,6 @@ from batchery.contract.schemas import (
     describe_validation_error,
 )
 from batchery.tasks import quarantine, redelivery
-
-CANCEL_POLL_S = 0.25  # how often a cancellable request checks its job while it waits
 
 
 def chat_completion(self, body: dict, timeout: float | None = None) -> dict:
@@ -128,9 +125,7 @@ def _generate(task, gen: GenerationRequest, timeout, cancelled: Callable[[], boo
             raise EngineUnavailable("this process has no engine service (not a batchery worker)")
         gen = quarantine.prepare(task, gen)
         with redelivery.attempt(task, gen, deadline) as (gen, left):  # counted before the engine sees it
-            if cancelled is None:
-                return service.generate(gen, left)
-            return _generate_cancellable(service, gen, left, cancelled)
+            return service.generate(gen, left, cancelled=cancelled, max_held=max_held(left, settings))
     except EngineUnavailable as exc:
         # This worker cannot serve (shutting down, or its engine is gone for good): hand the
         # message back untouched for another worker, without spending a retry.
@@ -143,27 +138,11 @@ def _generate(task, gen: GenerationRequest, timeout, cancelled: Callable[[], boo
         raise task.retry(exc=exc, countdown=retry_delay(retries, settings), max_retries=settings.max_retries) from exc
 
 
-def _generate_cancellable(
-    service, gen: GenerationRequest, timeout: float, cancelled: Callable[[], bool]
-) -> GenerationResult:
-    """``service.generate`` that also polls ``cancelled`` every ``CANCEL_POLL_S`` and then aborts
-    the request in the engine (freeing its KV blocks) and raises ``RequestCancelled``."""
-    deadline = time.monotonic() + timeout
-    rid, fut = service.submit(gen)
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            return fut.result(timeout=max(0.0, min(CANCEL_POLL_S, left)))
-        except FutureTimeout:
-            pass
-        expired = time.monotonic() >= deadline
-        if not expired and not cancelled():
-            continue
-        if not service.abort(rid) and fut.done():
-            return fut.result()  # finished in the same instant
-        if expired:
-            raise DeadlineExceeded(f"deadline of {timeout:g} s exceeded; the request was aborted in the engine")
-        raise RequestCancelled("the batch job was cancelled; the request was aborted in the engine")
+def max_held(deadline: float, settings) -> float:
+    """How much longer than its deadline a request may take for the time it waits in the quarantine lane:
+    until just before the broker would deliver its message again (``BATCHERY_VISIBILITY_TIMEOUT``)."""
+    vt = settings.visibility_timeout or 0.0
+    return max(0.0, vt - deadline - settings.retry_backoff_max - 1.0)
 
 
 # -- shaping ------------------------------------------------------------------------------------

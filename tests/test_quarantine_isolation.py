@@ -137,3 +137,30 @@ def test_out_of_memory_in_an_isolated_step_shrinks_only_the_token_budget(tiny_mo
     assert sch.max_num_seqs == 8 and sch.max_num_batched_tokens == 100  # the 200-token chunk, halved
     assert all(ids == ["iso"] or "iso" not in ids for ids in seen)  # never batched with the others
     assert sorted(o.request_id for o in outputs) == ["iso", "n0", "n1", "n2", "n3"]
+
+
+def test_the_wait_for_a_turn_alone_does_not_count_against_the_deadline(make_service):
+    """Quarantined requests run alone one at a time; those waiting for their turn (innocents that
+    shared a failing step with a poison request, most of them) do not lose their deadline to the wait:
+    three quarantined requests with a 2 s deadline queue behind a solo run of several seconds and all
+    complete; the wait is reported, not charged. Before: DeadlineExceeded for each."""
+    s = make_service()
+    _, first = s.submit(chat("the cat sat", solo=True, max_tokens=1500))
+    wait_for(lambda: s.engine_stats.get("num_running"), 30, what="the first solo run to start")
+    results = generate_all(s, [chat(f"hello {i}", solo=True, max_tokens=4) for i in range(3)], timeout=2.0)
+    assert all(not isinstance(r, Exception) for r in results), results
+    assert first.result(timeout=120).finish_reason == "length"
+    assert all(len(r.token_ids) == 4 for r in results)
+
+
+def test_the_wait_for_a_turn_alone_is_bounded_by_max_held(make_service):
+    """``max_held`` caps the time that does not count (the task sets it from the visibility timeout, so
+    a held request never outlives its message's lease): with no allowance the deadline is plain."""
+    from batchery.contract.errors import DeadlineExceeded
+
+    s = make_service()
+    _, first = s.submit(chat("the cat sat", solo=True, max_tokens=1500))
+    wait_for(lambda: s.engine_stats.get("num_running"), 30, what="the first solo run to start")
+    with pytest.raises(DeadlineExceeded, match=r"deadline of 1 s exceeded"):
+        s.generate(chat("hello", solo=True, max_tokens=4), 1.0, max_held=0.0)
+    assert first.result(timeout=120).finish_reason == "length"

@@ -2,7 +2,9 @@
 straight in. A quarantined request (``solo=True``) goes in as an *isolated* engine request: the
 engine runs it only in steps of its own, taking turns with the steps of everyone else, so nobody is
 held or waits for a drain, and a failing step holds either the suspect alone or none of it. One
-quarantined request is in the engine at a time; the others wait here for their turn."""
+quarantined request is in the engine at a time; the others wait here for their turn, and that wait
+does not count against their deadlines (``Pending.held_seconds``; ``EngineService.generate``): it is
+quarantine's cost, not theirs."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class Lanes:
             # a re-run after failing alone goes first: it runs right after the canary proved the
             # engine sound, so a flaky engine would have to fail twice in a row to convict it
             (self.solo.appendleft if p.solo_failures else self.solo.append)(p)
+            p.hold()  # its deadline stops while it waits for its turn (EngineService.generate)
             return False
         return True
 
@@ -48,6 +51,7 @@ class Lanes:
         started = []
         while self.solo and self.solo_rid is None:
             p = self.solo.popleft()
+            p.release()
             if add(p):
                 self.solo_rid = p.request_id
                 started.append(p)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 import uuid
@@ -20,7 +21,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
-from batchery.contract.errors import DeadlineExceeded, EngineUnavailable, WorkerShuttingDown
+from batchery.contract.errors import DeadlineExceeded, EngineUnavailable, RequestCancelled, WorkerShuttingDown
 from batchery.contract.generation import GenerationRequest, GenerationResult
 from batchery.worker.service.faults import Fault
 from batchery.worker.service.intake import Pending
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
     from batchery.engine.loader import LoadedModel
 
 log = logging.getLogger("batchery.worker.engine")
+
+WAIT_POLL_S = 0.25  # how often a waiting task thread looks at cancellation and quarantine time
 
 
 class EngineService:
@@ -144,19 +147,42 @@ class EngineService:
             s.wake.notify()
         return True
 
-    def generate(self, request: GenerationRequest, timeout: float) -> GenerationResult:
+    def generate(
+        self,
+        request: GenerationRequest,
+        timeout: float,
+        *,
+        cancelled: Callable[[], bool] | None = None,
+        max_held: float = math.inf,
+    ) -> GenerationResult:
         """Submit and wait up to ``timeout`` seconds. At the deadline the request is aborted in the
-        engine and ``DeadlineExceeded`` is raised."""
-        deadline = time.monotonic() + timeout
+        engine and ``DeadlineExceeded`` is raised. The time a quarantined request waits in the
+        quarantine lane for its turn to run alone does not count (up to ``max_held`` seconds more):
+        it waits there because of other requests' failures. ``cancelled``, polled every
+        ``WAIT_POLL_S``, aborts it with ``RequestCancelled`` once it says so."""
+        start = time.monotonic()
         rid, fut = self.submit(request)
-        try:
-            return fut.result(timeout=max(0.0, deadline - time.monotonic()))
-        except FutureTimeout:
+        poll = cancelled is not None or request.solo
+        while True:
+            held = min(self.held_seconds(rid), max_held) if request.solo else 0.0
+            left = start + timeout + held - time.monotonic()
+            stop = "deadline" if left <= 0 else "cancel" if cancelled is not None and cancelled() else None
+            if stop is None:
+                try:
+                    return fut.result(timeout=min(WAIT_POLL_S, left) if poll else left)
+                except FutureTimeout:
+                    continue
             if not self.abort(rid) and fut.done():
                 return fut.result()  # finished in the same instant
-            raise DeadlineExceeded(
-                f"deadline of {timeout:g} s exceeded; the request was aborted in the engine"
-            ) from None
+            if stop == "cancel":
+                raise RequestCancelled("the batch job was cancelled; the request was aborted in the engine")
+            waited = f" (not counting {held:.1f} s in the quarantine lane)" if held >= 0.05 else ""
+            raise DeadlineExceeded(f"deadline of {timeout:g} s exceeded{waited}; the request was aborted in the engine")
+
+    def held_seconds(self, request_id: str) -> float:
+        """How long a pending request has waited in the quarantine lane so far (0 once it is done)."""
+        p = self._shared.pending.get(request_id)
+        return 0.0 if p is None else p.held_seconds()
 
     # -- status ------------------------------------------------------------------------------
     @property

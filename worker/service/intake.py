@@ -29,11 +29,29 @@ class Pending:
     added_at: float = 0.0  # time.time() when it went into the engine (the last time, after a carry-over)
     in_engine: bool = False  # added to the current engine (False again once carried over to a new one)
     solo_failures: int = 0  # failed runs alone (quarantine)
+    held_s: float = 0.0  # seconds spent waiting in the quarantine lane for a turn to run alone, so far
+    held_since: float | None = None  # time.monotonic() when it began waiting there now; None: not waiting
     text: str | None = None  # the prompt as sent, for poison faults (built on first use)
 
     @classmethod
     def new(cls, request_id: str, request: GenerationRequest) -> Pending:
         return cls(request_id, request, Future(), time.time())
+
+    def hold(self) -> None:
+        """It begins (or goes on) waiting in the quarantine lane."""
+        if self.held_since is None:
+            self.held_since = time.monotonic()
+
+    def release(self) -> None:
+        """Its wait in the quarantine lane is over: the time is added to ``held_s``."""
+        if self.held_since is not None:
+            self.held_s += time.monotonic() - self.held_since
+            self.held_since = None
+
+    def held_seconds(self) -> float:
+        """All its time in the quarantine lane so far, the wait under way included."""
+        since = self.held_since
+        return self.held_s + (time.monotonic() - since if since is not None else 0.0)
 
     def prompt_text(self) -> str | None:
         """The prompt as the client sent it: the messages' contents joined, or the prompt; None
