@@ -58,6 +58,10 @@ Issue 13 added:
    second are lost with it, as asynchronous replication allows; those lines run again (their messages
    are still queued, or unacknowledged and restored after the visibility timeout). The notes say how
    many acknowledged records the failover lost.
+17. ``poison-deadlines``: 4 poison lines among 200 good ones of 96 tokens, every line with a 10 s
+   deadline. Most good lines share the poison lines' failing steps and are quarantined too; they run
+   alone one at a time, and the time they wait for that turn does not count against their deadlines:
+   no good line fails.
 
 In every row lost and duplicated must be 0 and failed must be exactly the lines meant to fail; the
 exit code is 1 otherwise. Everything runs against ``--redis`` (its own database, default 12) or a
@@ -178,6 +182,7 @@ class Sizes:
     kill_poison_good: int = 120  # 14: good lines beside ...
     kill_poison_bad: int = 2  # ... lines that end the worker process
     sentinel_requests: int = 200  # 15, 16: the job through a Sentinel failover
+    poison_deadline_tokens: int = 96  # 17: tokens a line, poison_good/poison_bad lines, 10 s deadlines
 
     @classmethod
     def fast(cls) -> Sizes:
@@ -1483,6 +1488,36 @@ class Chaos:
         old primary acknowledged in that second are lost with it, and the lines run again."""
         return self._sentinel("16. Sentinel failover, replication 1 s behind", 1.0)
 
+    def poison_deadlines(self) -> Row:
+        """Item 8: poison lines among good lines whose deadline is 10 s and whose generations are long
+        enough that the innocents quarantined beside the poison (they shared its failing steps) could
+        not all run alone, one after another, within it: no good line may fail."""
+        s = self.sizes
+        q = self.new_queue()
+        # the visibility timeout bounds how long a line may wait for its turn alone (tasks.chat.max_held)
+        w = self.spawn(q, BATCHERY_FAULTS=f"poison:{POISON}", BATCHERY_VISIBILITY_TIMEOUT="600")
+        c = self.client(q)
+        n = s.poison_good + s.poison_bad
+        bad = {int((k + 0.5) * n / s.poison_bad) for k in range(s.poison_bad)}
+        lines = self.lines(n, poison=bad, max_tokens=s.poison_deadline_tokens)
+        expected = {lines[i]["custom_id"]: "engine_crash" for i in bad}
+        job = c.submit_batch(lines, timeout=10)
+        self.wait_job(c, job)
+        stats = w.stats()
+        row = self.tally(
+            f"17. {s.poison_bad} poison lines among {s.poison_good} good, 10 s deadlines, "
+            f"{s.poison_deadline_tokens} tokens a line",
+            c,
+            job,
+            lines,
+            expected_failed=expected,
+            recovery_s=self.after_fault(w, r"ERROR .*engine failure"),
+            checks={"worker never gave up": stats["state"] == "serving"},
+            notes=f"{stats['num_failures']} engine failures, {stats['num_solo_runs']} solo runs",
+        )
+        w.stop()
+        return row
+
 
 def _descendant(root: int, needle: bytes) -> int | None:
     """A live descendant of ``root`` whose command line contains ``needle``."""
@@ -1528,6 +1563,7 @@ SCENARIOS = {
     "kill-poison": Chaos.process_killing_poison,
     "sentinel-failover": Chaos.sentinel_failover,
     "sentinel-failover-lag": Chaos.sentinel_failover_lag,
+    "poison-deadlines": Chaos.poison_deadlines,
 }
 
 

@@ -130,14 +130,18 @@ def attempt(task, gen: GenerationRequest, timeout: float) -> Iterator[tuple[Gene
         raise EngineCrash(
             message + ("; its message is on the dead-letter list (batchery deadletter)" if stored else "")
         )
-    if seen.died >= alone_after and not gen.solo:
+    suspect = seen.died >= alone_after
+    if suspect:
         log.warning(
             "deliveries: %s was in flight in %d worker process(es) that died; it runs alone", task_id, seen.died
         )
         gen = dataclasses.replace(gen, solo=True)
     keep, alone = True, False
     try:
-        if gen.solo:
+        # Only a death suspect takes this process's turn to run alone: a death while it holds the turn is
+        # counted against it. A request quarantined for strikes (engine failures) waits for its turn in the
+        # engine service's quarantine lane instead, where the wait does not count against its deadline.
+        if suspect:
             with _alone_turn(task_id, timeout) as left:
                 alone = _count_alone(counters, task_id)
                 yield gen, left

@@ -96,6 +96,12 @@ def test_12_a_client_clock_ahead_does_not_fail_a_live_submission(harness):
     check(harness.clock_ahead(), harness)
 
 
+def test_17_poison_lines_among_good_lines_with_10_s_deadlines(harness):
+    row = harness.poison_deadlines()
+    check(row, harness)
+    assert row.completed == harness.sizes.poison_good  # no good line ran out of time in quarantine
+
+
 # row 11 (a job that outlives its 60 s TTL) is the benchmark's only: tests/test_job_store_reliability.py
 # keeps the same promise with a short TTL; row 13 (`batchery run`'s worker killed) is
 # tests/test_run_reliability.py's.
