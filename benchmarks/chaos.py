@@ -183,6 +183,12 @@ class Sizes:
     kill_poison_bad: int = 2  # ... lines that end the worker process
     sentinel_requests: int = 200  # 15, 16: the job through a Sentinel failover
     poison_deadline_tokens: int = 96  # 17: tokens a line, poison_good/poison_bad lines, 10 s deadlines
+    lost_requests: int = 200  # 18: lines of the job, of which ...
+    lost_lines: int = 5  # ... this many lose their message before any worker runs
+    lost_unrelated: int = 40  # 18: slow unrelated requests queued behind the job (3 s each)
+    recovery_interval: float = 5.0  # 18: BATCHERY_RECOVERY_INTERVAL of the worker
+    pause_requests: int = 200  # 19: lines of the job whose Redis is paused
+    pause_s: float = 30.0  # 19: how long Redis is SIGSTOPped
 
     @classmethod
     def fast(cls) -> Sizes:
@@ -206,6 +212,12 @@ class Sizes:
             kill_poison_good=30,
             kill_poison_bad=1,
             sentinel_requests=48,
+            lost_requests=40,
+            lost_lines=2,
+            lost_unrelated=20,
+            recovery_interval=2.0,
+            pause_requests=48,
+            pause_s=12.0,
         )
 
     @property
@@ -1518,6 +1530,141 @@ class Chaos:
         w.stop()
         return row
 
+    def lost_lines_unwatched(self) -> Row:
+        """18. Lines whose messages the broker lost, nobody waiting, other messages on the queue throughout.
+
+        The job is queued before any worker runs; ``lost_lines`` of its messages are taken off the queue (what a
+        worker dying right after its BRPOP does); slow unrelated requests are queued behind it, so the queue is
+        never empty while the lost lines are found. No client waits (no ``wait_batch``: only status reads), so only
+        the workers' own recovery (every ``recovery_interval`` s, jobs quiet for that long) can finish the job.
+        Recovery seconds: from the moment every other line was recorded to the job's end."""
+        from batchery.broker.queues import queue_keys
+
+        s = self.sizes
+        q = self.new_queue()
+        c = self.client(q)
+        lines = self.lines(s.lost_requests)
+        job = c.submit_batch(lines)  # no worker yet: every line waits on the queue
+        broker = c.jobs.r  # one Redis here: broker and backend are self.redis_url
+        n = len(lines)
+        lost = sorted({1 + (k * n) // s.lost_lines + n // (2 * s.lost_lines) for k in range(s.lost_lines)})
+        for key in queue_keys(q):
+            for raw in broker.lrange(key, 0, -1):
+                tid = json.loads(raw)["headers"]["id"]
+                if tid.rsplit("-", 1)[0] == job and int(tid.rsplit("-", 1)[1]) in lost:
+                    broker.lrem(key, 1, raw)
+        unrelated = [[{"role": "user", "content": f"unrelated {i}"}] for i in range(s.lost_unrelated)]
+        c.chat_many(unrelated, max_tokens=4000, ignore_eos=True, timeout=3)  # each holds a task thread ~3 s
+        self.say(f"lost-unwatched: took lines {lost} of {job} off the queue; {s.lost_unrelated} slow requests behind")
+        w = self.spawn(q, BATCHERY_RECOVERY_INTERVAL=f"{s.recovery_interval:g}", BATCHERY_CONCURRENCY="4")
+
+        def chat_queued() -> int:
+            return sum(
+                json.loads(m)["headers"]["task"] == "batchery.chat_completion"
+                for k in queue_keys(q)
+                for m in broker.lrange(k, 0, -1)
+            )
+
+        wait_until(lambda: self.done(c, job) >= n - len(lost), s.job_timeout, "every line but the lost ones")
+        t_stall = time.time()
+        wait_until(lambda: "were lost by the broker" in w.log(), s.job_timeout, "the worker's recovery")
+        queued_then = chat_queued()
+        recovered = None
+        try:
+            wait_until(lambda: c.batch_status(job).is_terminal, s.job_timeout, "the job to end", 0.2)
+            recovered = time.time() - t_stall
+        except TimeoutError:
+            pass
+        log = w.log()
+        requeued = sum(int(m) for m in re.findall(r"the messages of (\d+) lines were lost", log))
+        row = self.tally(
+            "18. lost lines with nobody waiting (5)",
+            c,
+            job,
+            lines,
+            expected_failed={},
+            recovery_s=recovered,
+            checks={
+                "the worker queued them again (logged)": requeued == len(lost),
+                "unrelated requests still queued at recovery": queued_then > 0,
+            },
+            notes=f"{len(lost)} messages taken off the queue; recovery interval {s.recovery_interval:g} s; "
+            f"{queued_then} unrelated requests still queued when they were found",
+        )
+        w.stop()
+        return row
+
+    def redis_paused(self) -> Row:
+        """19. Redis SIGSTOPped for ``pause_s`` mid-job (the TCP connections stay up, nothing answers).
+
+        A client waits throughout (as ``batchery batch wait`` would, no timeout). During the pause a second
+        ``batchery batch wait JOB --timeout 5`` runs as a process: it must end in about 5 s (exit 124, a message
+        saying Redis did not answer), not 5 s plus socket timeouts and retries (about 40 s before). Then Redis
+        resumes, and the job must complete with every line once. Recovery seconds: from SIGCONT to the next line
+        recorded."""
+        s = self.sizes
+        red = PrivateRedis(self.workdir / f"redis-{len(self.redises)}").start()
+        self.redises.append(red)
+        q = self.new_queue(red.url)
+        w = self.spawn(q, red.url, **self.SMALL)
+        c = self.client(q, red.url)
+        lines = self.lines(s.pause_requests, max_tokens=s.kill_max_tokens)
+        job = c.submit_batch(lines)
+        waiter = self.waiter(c, job)
+        wait_until(lambda: self.done(c, job) >= len(lines) // 3, s.job_timeout, "a third of the job")
+        done_before = self.done(c, job)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHERY_")}
+        env.update(
+            PYTHONPATH=str(REPO),
+            BATCHERY_BROKER_URL=red.url,
+            BATCHERY_BATCH__KEY_PREFIX=f"{q}:batch",
+            BATCHERY_QUEUE=q,
+        )
+        os.kill(red.proc.pid, signal.SIGSTOP)
+        t_pause = time.time()
+        self.say(f"redis-pause: SIGSTOPped Redis at {done_before}/{len(lines)} done")
+        t0 = time.monotonic()
+        cli = subprocess.run(
+            [sys.executable, "-m", "batchery", "batch", "wait", job, "--timeout", "5", "--no-progress"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        cli_s = time.monotonic() - t0  # includes the interpreter's start (about 1 s)
+        self.say(
+            f"redis-pause: batch wait --timeout 5 returned {cli.returncode} after {cli_s:.1f} s: {cli.stderr.strip()}"
+        )
+        time.sleep(max(0.0, s.pause_s - (time.time() - t_pause)))
+        os.kill(red.proc.pid, signal.SIGCONT)
+        t_resume = time.time()
+        self.say(f"redis-pause: SIGCONT after {t_resume - t_pause:.1f} s")
+        recovered = None
+        try:
+            paused_done = self.done(c, job)
+            wait_until(lambda: self.done(c, job) > paused_done, s.job_timeout, "a line after the pause", 0.1)
+            recovered = time.time() - t_resume
+        except TimeoutError:
+            pass
+        waiter.join(s.job_timeout)
+        row = self.tally(
+            f"19. Redis paused (SIGSTOP) for {s.pause_s:g} s mid-job (6)",
+            c,
+            job,
+            lines,
+            expected_failed={},
+            recovery_s=recovered,
+            checks={
+                "batch wait --timeout 5 returned in about 5 s": cli_s < 5 + 4,
+                "... with exit 124 and a message": cli.returncode == 124 and "did not answer" in cli.stderr,
+                "worker still alive": w.proc.poll() is None,
+            },
+            notes=f"batch wait --timeout 5 took {cli_s:.1f} s (exit {cli.returncode}) during the pause",
+        )
+        w.stop()
+        return row
+
 
 def _descendant(root: int, needle: bytes) -> int | None:
     """A live descendant of ``root`` whose command line contains ``needle``."""
@@ -1564,6 +1711,8 @@ SCENARIOS = {
     "sentinel-failover": Chaos.sentinel_failover,
     "sentinel-failover-lag": Chaos.sentinel_failover_lag,
     "poison-deadlines": Chaos.poison_deadlines,
+    "lost-unwatched": Chaos.lost_lines_unwatched,
+    "redis-pause": Chaos.redis_paused,
 }
 
 
