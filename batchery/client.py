@@ -374,6 +374,8 @@ class Client:
         st: BatchJob | None = None
         try:
             while True:
+                if deadline is not None and st is not None and time.monotonic() >= deadline:
+                    raise self._still_running(job_id, timeout, st)  # not a Redis that did not answer
                 try:
                     st = self._status_through_outages(job_id, deadline)
                 except (_NoAnswer, *_redis_unavailable()) as exc:
@@ -396,10 +398,7 @@ class Client:
                     except Exception as exc:  # noqa: BLE001 - a failed look must not stop the wait
                         log.warning("could not check batch job %s for lost lines: %s", job_id, exc)
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise ResultTimeout(
-                        f"batch job {job_id} is still {st.status} after {timeout:g} s "
-                        f"({st.num_done}/{st.request_counts.total} done)"
-                    )
+                    raise self._still_running(job_id, timeout, st)
                 left = poll_interval if deadline is None else min(poll_interval, max(0.0, deadline - time.monotonic()))
                 time.sleep(left)
         finally:
@@ -428,6 +427,13 @@ class Client:
             f"waiting for batch job {job_id}",
             deadline=deadline,
             logger=log,
+        )
+
+    @staticmethod
+    def _still_running(job_id: str, timeout: float | None, st: BatchJob) -> ResultTimeout:
+        return ResultTimeout(
+            f"batch job {job_id} is still {st.status} after {timeout or 0:g} s "
+            f"({st.num_done}/{st.request_counts.total} done)"
         )
 
     def _redis_timeout(self, job_id: str, timeout: float | None, st: BatchJob | None, exc: Exception) -> ResultTimeout:

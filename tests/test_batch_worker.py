@@ -143,6 +143,9 @@ def test_each_line_delivered_twice_counts_once(bclient, tiny_worker):
         }
         msgs += [builder.build(f"{job_id}-{line}", kwargs) for _ in range(2)]
     store.r.hset(store.key(job_id), "total", n)
+    with store.r.pipeline() as p:  # the ledger, as the submitter keeps it: a line not in it is refused
+        store.ledger_in(p, job_id, [(line, msgs[2 * (line - 1)]) for line in range(1, n + 1)])
+        p.execute()
     with redis_client(TEST_BROKER_URL).pipeline() as p:
         builder.push(p, msgs)
         p.execute()

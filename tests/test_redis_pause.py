@@ -134,3 +134,34 @@ def test_a_gone_job_stops_its_lines_and_an_unknown_one_does_not(private_redis):
         assert not any(t.is_alive() for t in threads)
     finally:
         watch.close()
+
+
+def test_a_wait_that_runs_out_on_a_healthy_redis_says_the_job_is_still_running():
+    """The wait's own deadline, with Redis answering all along, is "still in_progress after 1 s", never "Redis did
+    not answer" (the status call made right at the deadline used to get no time, and was blamed on Redis)."""
+    import uuid
+
+    from conftest import TEST_BROKER_URL
+
+    from batchery.client import Client
+    from batchery.contract.errors import ResultTimeout
+    from batchery.contract.settings import Settings
+
+    prefix = f"batchery-test-wait-{uuid.uuid4().hex[:8]}"
+    c = Client(
+        settings=Settings(
+            broker_url=TEST_BROKER_URL, result_backend=TEST_BROKER_URL, queue=prefix, batch={"key_prefix": prefix}
+        )
+    )
+    job = f"batch_{uuid.uuid4().hex}"
+    try:
+        c.jobs.create(job, queue=prefix, model=None)
+        c.jobs.r.hset(c.jobs.key(job), "total", 1)
+        c.jobs.end_submit(job, 1, 1)
+        for _ in range(3):
+            with pytest.raises(ResultTimeout) as err:
+                c.wait_batch(job, timeout=1.0, poll_interval=0.5, recover_after=None)
+            assert f"batch job {job} is still in_progress after 1 s (0/1 done)" in str(err.value), str(err.value)
+    finally:
+        c.jobs.delete(job)
+        c.close()
