@@ -8,8 +8,10 @@ uncounted when it ends (``batchery.jobs.deliveries``); what is left are deliveri
 process. Then:
 
 1. **Suspects run alone.** A request two of whose deliveries died (one, if
-   ``BATCHERY_MAX_DELIVERIES`` is 2) runs alone (quarantine's solo run: nothing else in the engine
-   while it runs), and one at a time in this process. One death alone is no sign (a worker
+   ``BATCHERY_MAX_DELIVERIES`` is 2) runs alone (quarantine's solo run: engine steps of its own,
+   taking turns with the others' steps), and one at a time in this process: a death while it holds
+   that turn is counted against it (a second, different killer running beside it at that moment
+   would be too). One death alone is no sign (a worker
    SIGKILLed with a full batch would otherwise make every request it held run alone). The other
    requests that shared a dying process die too, but not alone, so those deaths never convict them.
 2. **Poison is dead-lettered.** At the start of a delivery, a request with ``BATCHERY_MAX_DELIVERIES``
