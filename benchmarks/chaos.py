@@ -1415,7 +1415,8 @@ class Chaos:
             recovery_s=recovery,
             checks={
                 "the worker died and came back": len(exits) >= max_deliveries and set(exits) == {70},
-                "at most 2 deaths shared, then one alone per poison line": len(exits) <= 2 + len(bad),
+                # each death is charged to every line in flight; a poison line dies at most K times
+                f"at most {max_deliveries} deaths per poison line": len(exits) <= max_deliveries * len(bad),
                 "engine_crash names the deliveries": named,
                 "the poison lines, and only they, are dead-lettered": dead_lettered,
                 "the last worker is alive": worker.proc.poll() is None,
@@ -1464,12 +1465,12 @@ class Chaos:
         except TimeoutError:
             pass
         waiter.join(s.job_timeout)
-        log = w.log()
         checks = {
             "the job was running at the kill": at_kill < len(lines),
             "replica promoted": promoted_s is not None,
-            "worker followed the master (logged)": "Connection to broker lost" in log
-            and len(re.findall(r"Connected to sentinel://", log)) >= 2,
+            # every record is on the promoted replica: the worker wrote there after the kill (kombu may follow
+            # the new master without logging a lost connection)
+            "worker followed the master": new_master.hlen(results_key) == len(lines),
             "worker still alive": w.proc.poll() is None and w.stats()["state"] == "serving",
         }
         lost_by_failover = at_kill - on_new
