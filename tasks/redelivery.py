@@ -8,10 +8,9 @@ uncounted when it ends (``batchery.jobs.deliveries``); what is left are deliveri
 process. Then:
 
 1. **Suspects run alone.** A request two of whose deliveries died (one, if
-   ``BATCHERY_MAX_DELIVERIES`` is 2) runs alone (quarantine's solo run: engine steps of its own,
-   taking turns with the others' steps), and one at a time in this process: a death while it holds
-   that turn is counted against it (a second, different killer running beside it at that moment
-   would be too). One death alone is no sign (a worker
+   ``BATCHERY_MAX_DELIVERIES`` is 2) runs alone, and exclusively: the engine drains and holds other
+   work until it ends (``GenerationRequest.exclusive``; the held requests' deadlines stop meanwhile),
+   one at a time in this process, so a death while it runs is its own. One death alone is no sign (a worker
    SIGKILLed with a full batch would otherwise make every request it held run alone). The other
    requests that shared a dying process die too, but not alone, so those deaths never convict them.
 2. **Poison is dead-lettered.** At the start of a delivery, a request with ``BATCHERY_MAX_DELIVERIES``
@@ -137,7 +136,7 @@ def attempt(task, gen: GenerationRequest, timeout: float) -> Iterator[tuple[Gene
         log.warning(
             "deliveries: %s was in flight in %d worker process(es) that died; it runs alone", task_id, seen.died
         )
-        gen = dataclasses.replace(gen, solo=True)
+        gen = dataclasses.replace(gen, solo=True, exclusive=True)
     keep, alone = True, False
     try:
         # Only a death suspect takes this process's turn to run alone: a death while it holds the turn is

@@ -50,10 +50,11 @@ def make_service(tiny_model_dir):
         s.stop()
 
 
-def chat(text: str, *, solo: bool = False, **sampling) -> GenerationRequest:
+def chat(text: str, *, solo: bool = False, exclusive: bool = False, **sampling) -> GenerationRequest:
     return GenerationRequest(
         messages=[{"role": "user", "content": text}],
         solo=solo,
+        exclusive=exclusive,
         sampling={"max_tokens": 8, "temperature": 0.0, "ignore_eos": True, **sampling},
     )
 
@@ -164,3 +165,20 @@ def test_the_wait_for_a_turn_alone_is_bounded_by_max_held(make_service):
     with pytest.raises(DeadlineExceeded, match=r"deadline of 1 s exceeded"):
         s.generate(chat("hello", solo=True, max_tokens=4), 1.0, max_held=0.0)
     assert first.result(timeout=120).finish_reason == "length"
+
+
+def test_a_death_suspect_runs_with_nothing_else_in_the_engine(make_service):
+    """A request suspected of killing its worker process (``exclusive``, set by tasks/redelivery.py after two
+    deaths) runs with nothing else in the engine, so a death during its run is its own: it starts once the
+    engine has drained, normal requests that arrive meanwhile are held until it ends, and their deadlines stop
+    while they are held (2 s deadlines behind a run of several seconds all complete)."""
+    s = make_service()
+    _, before = s.submit(chat("running already", max_tokens=300))
+    wait_for(lambda: s.engine_stats.get("num_running"), 30, what="a normal request to be running")
+    _, suspect = s.submit(chat("the cat sat", solo=True, exclusive=True, max_tokens=1500))
+    wait_for(lambda: before.done() and s.engine_stats.get("num_running") == 1, 120, what="the drain, then the suspect")
+    results = generate_all(s, [chat(f"hello {i}", max_tokens=4) for i in range(4)], timeout=2.0)
+    assert all(not isinstance(r, Exception) for r in results), results
+    first, done = before.result(timeout=5), suspect.result(timeout=5)
+    assert done.added_at >= first.finished_at  # it started after the engine drained
+    assert all(r.added_at >= done.finished_at for r in results)  # the others went in after it ended

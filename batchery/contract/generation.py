@@ -34,7 +34,8 @@ class GenerationRequest:
     prompt_token_ids: list[int] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs; max_tokens None -> fill the context
     priority: int = 0
-    solo: bool = False  # quarantined: run alone, with no other request in the engine
+    solo: bool = False  # quarantined: run alone, in engine steps of its own (one such request at a time)
+    exclusive: bool = False  # with solo: nothing else in the engine while it runs (suspected of killing its process)
 
 
 @dataclass

@@ -4,7 +4,9 @@ engine runs it only in steps of its own, taking turns with the steps of everyone
 held or waits for a drain, and a failing step holds either the suspect alone or none of it. One
 quarantined request is in the engine at a time; the others wait here for their turn, and that wait
 does not count against their deadlines (``Pending.held_seconds``; ``EngineService.generate``): it is
-quarantine's cost, not theirs."""
+quarantine's cost, not theirs. A request suspected of killing its worker process (``exclusive``) runs
+with nothing else in the engine: it starts once the engine has drained, and new normal requests are held
+(their deadlines stopped too) until it ends, so a process death during its run is its own."""
 
 from __future__ import annotations
 
@@ -24,9 +26,17 @@ class Lanes:
     def __init__(self) -> None:
         self.solo: deque[Pending] = deque()  # quarantined requests waiting for their turn
         self.solo_rid: str | None = None  # the quarantined request in the engine now
+        self.solo_exclusive = False  # ... and it runs with nothing else in the engine
+        self.held: deque[Pending] = deque()  # normal requests waiting for an exclusive run to end
 
     def __bool__(self) -> bool:
-        return bool(self.solo)
+        return bool(self.solo or self.held)
+
+    def _exclusive_ahead(self) -> bool:
+        """An exclusive run is under way, or is the next to start (the engine drains for it)."""
+        return (self.solo_rid is not None and self.solo_exclusive) or (
+            self.solo_rid is None and bool(self.solo) and self.solo[0].request.exclusive
+        )
 
     def place(self, p: Pending) -> bool:
         """Take a request from the inbox. True: it may go into the engine now; False: it waits in
@@ -36,6 +46,10 @@ class Lanes:
             # engine sound, so a flaky engine would have to fail twice in a row to convict it
             (self.solo.appendleft if p.solo_failures else self.solo.append)(p)
             p.hold()  # its deadline stops while it waits for its turn (EngineService.generate)
+            return False
+        if self._exclusive_ahead():
+            self.held.append(p)
+            p.hold()  # held for another request's exclusive run: not its own time either
             return False
         return True
 
@@ -48,11 +62,20 @@ class Lanes:
             if self.solo_rid in engine.requests:
                 return []
             self.solo_rid = None  # the solo run is over (finished, or aborted at its deadline)
+            self.solo_exclusive = False
+        if self.held and not self._exclusive_ahead():
+            while self.held:
+                p = self.held.popleft()
+                p.release()
+                add(p)
         started = []
         while self.solo and self.solo_rid is None:
+            if self.solo[0].request.exclusive and engine.has_unfinished():
+                break  # an exclusive run starts once the engine has drained
             p = self.solo.popleft()
             p.release()
             if add(p):
                 self.solo_rid = p.request_id
+                self.solo_exclusive = p.request.exclusive
                 started.append(p)
         return started

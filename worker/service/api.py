@@ -162,9 +162,9 @@ class EngineService:
         ``WAIT_POLL_S``, aborts it with ``RequestCancelled`` once it says so."""
         start = time.monotonic()
         rid, fut = self.submit(request)
-        poll = cancelled is not None or request.solo
+        poll = cancelled is not None  # the quarantine time is read again at each expiry: no polling for it
         while True:
-            held = min(self.held_seconds(rid), max_held) if request.solo else 0.0
+            held = min(self.held_seconds(rid), max_held)
             left = start + timeout + held - time.monotonic()
             stop = "deadline" if left <= 0 else "cancel" if cancelled is not None and cancelled() else None
             if stop is None:
