@@ -488,7 +488,10 @@ def _run_failover(cluster, workers, *, hold_s: float) -> dict:
     print("sentinel failover:", figures)
     assert job.status == "completed", (figures, w.tail())
     assert (lost, duplicated) == (0, 0), figures
-    assert figures["worker_alive"] and figures["worker_reconnected"], w.tail()
+    # kombu may follow the new master without logging a lost connection (seen in CI): what matters is that
+    # the worker lives and that every record is on the promoted replica, which it wrote after the kill
+    assert figures["worker_alive"], w.tail()
+    assert new_master.hlen(results_key) == LINES, (figures, w.tail())
     assert w.stats()["state"] == "serving"
     client.close()
     return figures
