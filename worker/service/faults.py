@@ -248,6 +248,14 @@ def _nargs(spec: str, args: list[str], n: int, usage: str) -> None:
         raise ValueError(f"fault {spec!r}: expected {usage}")
 
 
+def _text(spec: str, args: list[str], kind: str) -> str:
+    """The TEXT of ``kind:TEXT`` (it may hold ``:``), refused when empty."""
+    text = ":".join(args)
+    if not text.strip():
+        raise ValueError(f"fault {spec!r}: expected {kind}:TEXT with a non-empty TEXT")
+    return text
+
+
 def _step_raise(spec: str, args: list[str]) -> Fault:
     _nargs(spec, args, 1, "step_raise:N")
     return StepRaise(_int(spec, args[0], "N"), spec=spec)
@@ -259,17 +267,11 @@ def _step_raise_every(spec: str, args: list[str]) -> Fault:
 
 
 def _poison(spec: str, args: list[str]) -> Fault:
-    text = ":".join(args)
-    if not text.strip():
-        raise ValueError(f"fault {spec!r}: expected poison:TEXT with a non-empty TEXT")
-    return Poison(text, spec=spec)
+    return Poison(_text(spec, args, "poison"), spec=spec)
 
 
 def _exit_on(spec: str, args: list[str]) -> Fault:
-    text = ":".join(args)
-    if not text.strip():
-        raise ValueError(f"fault {spec!r}: expected exit_on:TEXT with a non-empty TEXT")
-    return ExitOn(text, spec=spec)
+    return ExitOn(_text(spec, args, "exit_on"), spec=spec)
 
 
 def _oom(spec: str, args: list[str]) -> Fault:
@@ -288,10 +290,7 @@ def _tokenize_delay(spec: str, args: list[str]) -> Fault:
 
 
 def _result_raise(spec: str, args: list[str]) -> Fault:
-    text = ":".join(args)
-    if not text.strip():
-        raise ValueError(f"fault {spec!r}: expected result_raise:TEXT with a non-empty TEXT")
-    return ResultRaise(text, spec=spec)
+    return ResultRaise(_text(spec, args, "result_raise"), spec=spec)
 
 
 def _loop_raise(spec: str, args: list[str]) -> Fault:
