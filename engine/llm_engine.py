@@ -19,6 +19,7 @@ from batchery.engine.sampling import SamplingParams
 from batchery.engine.scheduler import Scheduler, SchedulerOutput
 from batchery.engine.sequence import RequestOutput, Sequence
 from batchery.engine.stop_checker import STOP_TOKEN, StopChecker
+from batchery.engine.structured import GrammarCache, grammar_cache
 
 log = logging.getLogger("batchery.engine")
 
@@ -74,6 +75,12 @@ class LLMEngine:
     def eos_ids(self, ids: list[int]) -> None:
         self.stop_checker.eos_ids = ids
 
+    @property
+    def grammars(self) -> GrammarCache:
+        """Compiled structured-output grammars, kept on the loaded model (a rebuilt engine keeps
+        them). Thread-safe: the engine service compiles in its callers' threads, off the loop."""
+        return grammar_cache(self.loaded, self.tokenizer, self.runner.vocab_size)
+
     # -- tokenization ----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
@@ -112,7 +119,11 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         params = self._fit_to_model(params)
-        seq = Sequence(request_id, prompt_token_ids, params, priority=priority, isolated=bool(isolated))
+        spec = params.structured
+        grammar = self.grammars.matcher(spec) if spec is not None else None
+        seq = Sequence(
+            request_id, prompt_token_ids, params, priority=priority, isolated=bool(isolated), grammar=grammar
+        )
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 

@@ -33,6 +33,10 @@ class Sampler:
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
+        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if constrained:
+            logits = self._apply_grammars(logits, seqs, constrained)
+
         if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
             logits = self._apply_penalties(logits, seqs)
         if any(p.min_tokens and s.num_output_tokens < p.min_tokens for s, p in zip(seqs, params, strict=True)):
@@ -77,6 +81,19 @@ class Sampler:
                     entry["top"] = list(zip(ids.tolist(), vals.tolist(), strict=True))
                 entries[i] = entry
         return token_list, entries
+
+    @staticmethod
+    def _apply_grammars(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
+        """Mask the constrained rows' logits to the tokens their grammars allow; other rows pay nothing."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(seqs), logits.shape[1])  # rows of unconstrained seqs stay unread
+        for i in rows:
+            grammar = seqs[i].grammar
+            assert grammar is not None
+            grammar.fill(bitmask, i)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+        return logits
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         b, vocab = logits.shape

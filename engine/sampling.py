@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, cast
 
+from batchery.engine.structured import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_N = 16  # choices per request
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias per request
 
 
 @dataclass
@@ -27,8 +31,13 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per sampled token (0 = only the sampled one)
+    n: int = 1  # choices: they share the prompt's KV blocks; choice i samples from a stream derived from seed
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit, in [-100, 100]
+    structured_outputs: StructuredOutputsParams | dict | None = None  # a constraint on the output (a grammar)
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:
@@ -89,6 +98,24 @@ class SamplingParams:
             bad("min_tokens", "must be an integer >= 0")
         if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}]")
+        if self.logit_bias is not None:
+            lb = self.logit_bias
+            if not isinstance(lb, dict) or len(lb) > MAX_LOGIT_BIAS:
+                bad("logit_bias", f"must be a dict of at most {MAX_LOGIT_BIAS} token ids to biases")
+            for k, v in lb.items():
+                if not is_int(k) or k < 0:
+                    bad("logit_bias", "must have non-negative integer token ids as keys")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100.0 <= v <= 100.0:
+                    bad("logit_bias", "must have biases in [-100, 100]")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams, a dict or None")
+
+    @property
+    def structured(self) -> StructuredOutputsParams | None:
+        """``structured_outputs`` as ``__post_init__`` left it."""
+        return cast("StructuredOutputsParams | None", self.structured_outputs)
 
     @property
     def stop_strings(self) -> list[str]:

@@ -79,6 +79,8 @@ class Scheduler:
         finished: list[tuple[Sequence, str]] = []
         for seq, tok, entry in zip(runner_out.sampled_seqs, runner_out.token_ids, runner_out.logprobs, strict=True):
             seq.token_ids.append(tok)
+            if seq.grammar is not None:
+                seq.grammar.accept(tok)  # the sampler masked the logits by it, so the token is allowed
             if entry is not None:
                 assert seq.logprobs is not None  # the sampler gives entries only to requests that ask for them
                 seq.logprobs.append(entry)

@@ -14,6 +14,8 @@ from batchery.engine.sampling import SamplingParams
 if TYPE_CHECKING:  # annotations only: this module stays free of torch at run time
     import torch
 
+    from batchery.engine.structured import GrammarState
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -52,6 +54,7 @@ class Sequence:
         priority: int = 0,
         arrival_time: float | None = None,
         isolated: bool = False,
+        grammar: GrammarState | None = None,
     ) -> None:
         self.request_id = request_id
         self.params = params
@@ -76,6 +79,8 @@ class Sequence:
         self.stop_checked_len = 0
         # runtime extras owned by the runner (per-request torch.Generator); never read by the scheduler
         self.generator: torch.Generator | None = None
+        # structured outputs: where the output stands in its grammar (advanced with every token appended)
+        self.grammar = grammar
 
     def __len__(self) -> int:
         return len(self.token_ids)
