@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from batchery.engine.block_manager import BlockManager
+from batchery.engine.chat_template import render_chat
 from batchery.engine.config import EngineConfig
 from batchery.engine.detokenizer import final_text
 from batchery.engine.loader import LoadedModel, load_model
@@ -85,11 +86,8 @@ class LLMEngine:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(out, "keys"):
-            out = out["input_ids"]
-        return list(out)
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return render_chat(self.tokenizer, messages, tools)
 
     # -- requests --------------------------------------------------------------------------
     def add_request(
