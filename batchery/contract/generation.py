@@ -30,6 +30,7 @@ class GenerationRequest:
     """What a task asks for. Exactly one of ``messages``, ``prompt``, ``prompt_token_ids``."""
 
     messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # OpenAI function tools, rendered with the messages by the chat template
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs; max_tokens None -> fill the context
@@ -39,7 +40,21 @@ class GenerationRequest:
 
 
 @dataclass
+class GenerationChoice:
+    """One of a request's ``n`` choices (``SamplingParams.n``), all from the same prompt."""
+
+    index: int  # 0..n-1
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[LogprobEntry] | None  # per token; None unless asked for
+
+
+@dataclass
 class GenerationResult:
+    """A finished request. ``text``, ``token_ids``, ``finish_reason`` and ``logprobs`` are choice
+    0's (so a caller of one choice reads them as before); ``choices`` holds all ``n``."""
+
     request_id: str
     text: str
     token_ids: list[int]
@@ -50,3 +65,4 @@ class GenerationResult:
     submitted_at: float  # wall-clock times (time.time()), for latency accounting
     added_at: float
     finished_at: float
+    choices: list[GenerationChoice] = field(default_factory=list)  # all n choices, by index (choice 0 first)

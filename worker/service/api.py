@@ -21,7 +21,13 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
-from batchery.contract.errors import DeadlineExceeded, EngineUnavailable, RequestCancelled, WorkerShuttingDown
+from batchery.contract.errors import (
+    DeadlineExceeded,
+    EngineUnavailable,
+    InvalidRequest,
+    RequestCancelled,
+    WorkerShuttingDown,
+)
 from batchery.contract.generation import GenerationRequest, GenerationResult
 from batchery.worker.service.faults import Fault
 from batchery.worker.service.intake import Pending
@@ -119,8 +125,10 @@ class EngineService:
     # -- the task-thread API -------------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> tuple[str, Future[GenerationResult]]:
         """Queue a request for the engine. Returns its engine request id and a future that yields a
-        ``GenerationResult`` or raises ``InvalidRequest`` / ``EngineFailure``."""
+        ``GenerationResult`` or raises ``InvalidRequest`` / ``EngineFailure``. An invalid
+        structured-outputs constraint raises ``InvalidRequest`` here, before anything is queued."""
         s = self._shared
+        self._compile_constraint(request)
         rid = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         p = Pending.new(rid, request)
         with s.lock:
@@ -133,6 +141,27 @@ class EngineService:
             s.stats.num_requests += 1
             s.wake.notify()
         return rid, p.future
+
+    def _compile_constraint(self, request: GenerationRequest) -> None:
+        """Compile the request's structured-outputs constraint here, in the caller's (the task's)
+        thread, so that the loop thread finds it in the grammar cache: a new schema's compilation
+        never holds up an engine step. An invalid constraint raises ``InvalidRequest`` at once (a
+        400; no engine step sees it, no strike). Without an engine (being built or rebuilt) the
+        loop compiles it when it adds the request, with the same outcome."""
+        spec = request.sampling.get("structured_outputs")
+        engine = self._shared.engine
+        if spec is None or engine is None:
+            return
+        from batchery.engine.structured import StructuredOutputsParams
+
+        try:
+            if isinstance(spec, dict):
+                spec = StructuredOutputsParams.from_dict(spec)
+            elif not isinstance(spec, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be an object, got {type(spec).__name__}")
+            engine.grammars.compile(spec)
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequest(str(exc)) from None
 
     def abort(self, request_id: str) -> bool:
         """Abort a request: its future is dropped and the loop frees its KV blocks. False if it had

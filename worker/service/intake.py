@@ -5,17 +5,21 @@ engine input (token ids and ``SamplingParams``)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from batchery.contract.errors import ContextLengthExceeded, EngineFailure, InvalidRequest
-from batchery.contract.generation import GenerationRequest, GenerationResult, LogprobEntry
+from batchery.contract.generation import GenerationChoice, GenerationRequest, GenerationResult, LogprobEntry
 
 if TYPE_CHECKING:
     from batchery.engine.llm_engine import LLMEngine
     from batchery.engine.sampling import SamplingParams
     from batchery.engine.sequence import RequestOutput
+
+# renders one choice's engine logprob entries (None stays None): the loop's LogprobRenderer, bound to the tokenizer
+LogprobRender = Callable[[Sequence[Mapping[str, Any]] | None], list[LogprobEntry] | None]
 
 
 @dataclass
@@ -66,19 +70,34 @@ class Pending:
                 return None
         return self.text
 
-    def result(self, out: RequestOutput, logprobs: list[LogprobEntry] | None, finished_at: float) -> GenerationResult:
-        """The result of this request from the engine's output for it."""
+    def result(self, out: RequestOutput, render: LogprobRender, finished_at: float) -> GenerationResult:
+        """The result of this request from the engine's output for it: its ``n`` choices
+        (``out.outputs``; an engine output without them is its one choice), each choice's logprobs
+        rendered by ``render``. The result's own fields are choice 0's."""
+        outputs: Sequence[Any] = getattr(out, "outputs", None) or [out]  # by index
+        choices = [
+            GenerationChoice(
+                index=int(getattr(c, "index", i)),
+                text=c.text,
+                token_ids=list(c.token_ids),
+                finish_reason=c.finish_reason or "stop",
+                logprobs=render(c.logprobs),
+            )
+            for i, c in enumerate(outputs)
+        ]
+        first = choices[0]
         return GenerationResult(
             request_id=out.request_id,
-            text=out.text,
-            token_ids=list(out.token_ids),
-            finish_reason=out.finish_reason or "stop",
+            text=first.text,
+            token_ids=first.token_ids,
+            finish_reason=first.finish_reason,
             num_prompt_tokens=len(out.prompt_token_ids),
             num_cached_tokens=out.num_cached_tokens,
-            logprobs=logprobs,
+            logprobs=first.logprobs,
             submitted_at=self.submitted_at,
             added_at=self.added_at,
             finished_at=finished_at,
+            choices=choices,
         )
 
 
@@ -98,7 +117,7 @@ def engine_input(engine: LLMEngine, req: GenerationRequest) -> EngineInput | Inv
 
     try:
         if req.messages is not None:
-            ids = engine.encode_chat(req.messages)
+            ids = engine.encode_chat(req.messages, req.tools)
         elif req.prompt is not None:
             ids = engine.encode(req.prompt)
         else:

@@ -236,7 +236,7 @@ class EngineLoop:
             try:
                 for f in s.options.faults:
                     f.before_result(p.prompt_text())
-                result = p.result(out, s.logprobs.render(tokenizer, out.logprobs), now)
+                result = p.result(out, lambda entries: s.logprobs.render(tokenizer, entries), now)
             except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the loop
                 log.error("building the result of request %s failed; failing it alone", p.request_id, exc_info=True)
                 p.future.set_exception(internal_error("building its result", exc))
