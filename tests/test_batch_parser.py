@@ -55,13 +55,16 @@ def line(custom_id="a", method="POST", url="/v1/chat/completions", body=None, **
         (line(custom_id=7), batch.MISSING_CUSTOM_ID, "got a number"),
         (line(custom_id="x" * 600), batch.MISSING_CUSTOM_ID, "limit is 512"),
         (line(method="GET"), batch.UNSUPPORTED_METHOD, 'got "GET"'),
-        (line(url="/v1/embeddings"), batch.UNSUPPORTED_URL, '"/v1/embeddings"'),
+        (line(url="/v1/embeddings"), batch.UNSUPPORTED_URL, "embeddings are not served"),
+        (line(url="/v1/images/generations"), batch.UNSUPPORTED_URL, '"/v1/images/generations"'),
         (line(url=None), batch.UNSUPPORTED_URL, "got null"),
         (line(body=[1]), batch.INVALID_BODY, "body must be a JSON object"),
         (line(body={"messages": CHAT["messages"], "max_tokens": -1}), batch.INVALID_BODY, "max_tokens"),
         (line(body={"messages": []}), batch.INVALID_BODY, "messages"),
         (line(body={"messages": CHAT["messages"], "temperature": 9}), batch.INVALID_BODY, "temperature"),
-        (line(url="/v1/completions", body={"prompt": "hi", "n": 3}), batch.INVALID_BODY, "n must be 1"),
+        (line(url="/v1/completions", body={"prompt": "hi", "n": 17}), batch.INVALID_BODY, "n must be from 1 to 16"),
+        (line(url="/v1/responses", body={"input": ""}), batch.INVALID_BODY, "input"),
+        (line(body={**CHAT, "stream": True}), batch.INVALID_BODY, "stream is not supported"),
         (line(extra_field=1), batch.INVALID_LINE, "unknown field(s) 'extra_field'"),
     ],
 )
@@ -83,6 +86,8 @@ def test_valid_lines_and_duplicates():
     assert ok == BatchLine(1, "a", "/v1/chat/completions", CHAT)
     comp = parse_line(line("b", url="/v1/completions", body={"prompt": [1, 2, 3], "max_tokens": 2}), 2, seen)
     assert isinstance(comp, BatchLine) and comp.url == "/v1/completions"
+    resp = parse_line(line("r", url="/v1/responses", body={"input": "hi", "max_output_tokens": 5}), 6, seen)
+    assert isinstance(resp, BatchLine) and resp.url == batch.RESPONSES_URL
     dup = parse_line(line("a"), 3, seen)
     assert isinstance(dup, LineError) and dup.code == batch.DUPLICATE_CUSTOM_ID and dup.custom_id == "a"
     # a custom_id is taken by its first line even if that line is invalid: ids stay unique in the output
@@ -180,16 +185,32 @@ bodies = st.one_of(
                 max_size=3,
             )
         },
-        optional={"max_tokens": json_values, "temperature": json_values, "stop": json_values, "n": json_values},
+        optional={
+            "max_tokens": json_values,
+            "temperature": json_values,
+            "stop": json_values,
+            "n": json_values,
+            "response_format": json_values,
+            "tools": json_values,
+            "tool_choice": json_values,
+            "logit_bias": json_values,
+            "guided_json": json_values,
+            "metadata": json_values,
+        },
     ),
     st.fixed_dictionaries({"prompt": json_values}, optional={"max_tokens": json_values, "logprobs": json_values}),
+    st.fixed_dictionaries(
+        {"input": json_values}, optional={"instructions": json_values, "text": json_values, "tools": json_values}
+    ),
 )
 line_objects = st.fixed_dictionaries(
     {},
     optional={
         "custom_id": st.one_of(st.text(max_size=10), json_values),
         "method": st.sampled_from(["POST", "GET", "post", None]),
-        "url": st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "", None]),
+        "url": st.sampled_from(
+            ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "", None]
+        ),
         "body": bodies,
         "extra": json_values,
     },

@@ -51,7 +51,9 @@ def test_chat_body_maps_every_sampling_field():
         "repetition_penalty": 1.1,
         "logprobs": True,
         "top_logprobs": 3,
-        "n": 1,
+        "n": 2,
+        "logit_bias": {"7": -100, "8": 2.5},
+        "response_format": {"type": "json_object"},
         "ignore_eos": True,
         "min_tokens": 2,
         "stop_token_ids": [5],
@@ -72,6 +74,9 @@ def test_chat_body_maps_every_sampling_field():
         ignore_eos=True,
         min_tokens=2,
         logprobs=3,
+        n=2,
+        logit_bias={7: -100.0, 8: 2.5},
+        structured_outputs={"json_object": True},
     )
     SamplingParams(**s)  # the engine accepts it as is
 
@@ -92,7 +97,8 @@ def test_max_completion_tokens_alias():
 @pytest.mark.parametrize(
     "body, needle",
     [
-        ({"messages": HI, "n": 2}, "n must be 1"),
+        ({"messages": HI, "n": 17}, "n must be from 1 to 16"),
+        ({"messages": HI, "n": 0}, "n must be from 1 to 16"),
         ({"messages": HI, "stream": True}, "stream is not supported"),
         ({"messages": []}, "messages"),
         ({}, "messages: Field required"),
@@ -103,9 +109,12 @@ def test_max_completion_tokens_alias():
         ({"messages": HI, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"messages": HI, "stop": [""]}, "stop"),
         ({"messages": HI, "stop": ["x"] * 17}, "at most 16 stop strings"),
-        ({"messages": HI, "tools": []}, "tools: Extra inputs are not permitted"),
+        ({"messages": HI, "tool": []}, "tool: unknown field"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "only text"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages.0.content: content parts of type 'image_url' are not supported: Batchery serves text models",
+        ),
         ({"messages": HI, "seed": -1}, "seed"),
     ],
 )
@@ -131,7 +140,10 @@ def test_completion_bodies():
     assert "empty" in error_of(CompletionRequest, {"prompt": ""})
     assert "non-negative integers" in error_of(CompletionRequest, {"prompt": [1, -2]})
     assert "echo is not supported" in error_of(CompletionRequest, {"prompt": "a", "echo": True})
-    assert "n must be 1" in error_of(CompletionRequest, {"prompt": "a", "n": 3})
+    assert "n must be from 1 to 16" in error_of(CompletionRequest, {"prompt": "a", "n": 17})
+    three = CompletionRequest.model_validate({"prompt": "a", "n": 3, "best_of": 3, "guided_choice": ["x", "y"]})
+    assert three.sampling()["n"] == 3 and three.sampling()["structured_outputs"] == {"choice": ["x", "y"]}
+    assert "best_of must equal n" in error_of(CompletionRequest, {"prompt": "a", "n": 2, "best_of": 4})
 
 
 def test_response_models_parse_openai_shapes():
@@ -154,6 +166,24 @@ def test_response_models_parse_openai_shapes():
         }
     )
     assert chat.choices[0].message.content == "hi" and chat.usage.total_tokens == 4
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    calls = ChatCompletion.model_validate(
+        {
+            "id": "chatcmpl-2",
+            "created": 1,
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": None, "tool_calls": [call]},
+                    "finish_reason": "tool_calls",
+                }
+            ],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+        }
+    )
+    msg = calls.choices[0].message
+    assert msg.content is None and msg.tool_calls is not None and msg.tool_calls[0].function.name == "f"
     comp = Completion.model_validate(
         {
             "id": "cmpl-1",
@@ -183,6 +213,17 @@ sampling_bodies = st.fixed_dictionaries(
         "top_logprobs": st.integers(0, 20),
         "min_tokens": st.integers(0, 100),
         "stop_token_ids": st.lists(st.integers(0, 10**6), max_size=8),
+        "n": st.integers(1, 16),
+        "logit_bias": st.dictionaries(
+            st.integers(0, 10**6).map(str), st.floats(-100, 100) | st.integers(-100, 100), max_size=8
+        ),
+        "response_format": st.sampled_from(
+            [
+                {"type": "text"},
+                {"type": "json_object"},
+                {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}, "strict": True}},
+            ]
+        ),
     },
 )
 

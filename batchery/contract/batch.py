@@ -2,11 +2,12 @@
 
 Input line::
 
-    {"custom_id": str, "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}
+    {"custom_id": str, "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" | "/v1/responses",
+     "body": {...}}
 
 Output line (one per request that ran)::
 
-    {"id", "custom_id", "response": {"status_code": 200, "request_id", "body": <ChatCompletion|Completion>},
+    {"id", "custom_id", "response": {"status_code": 200, "request_id", "body": <ChatCompletion|Completion|Response>},
      "error": null}
 
 Error line (a line refused while submitting, or a request the worker refused or could not finish)::
@@ -25,11 +26,22 @@ from typing import IO, Any, NoReturn
 
 from pydantic import BaseModel, ValidationError
 
+from batchery.contract.responses import ResponsesRequest
 from batchery.contract.schemas import ChatCompletionRequest, CompletionRequest, describe_validation_error
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-ENDPOINTS: dict[str, type[BaseModel]] = {CHAT_URL: ChatCompletionRequest, COMPLETIONS_URL: CompletionRequest}
+RESPONSES_URL = "/v1/responses"
+ENDPOINTS: dict[str, type[BaseModel]] = {
+    CHAT_URL: ChatCompletionRequest,
+    COMPLETIONS_URL: CompletionRequest,
+    RESPONSES_URL: ResponsesRequest,
+}
+# OpenAI Batch endpoints that Batchery does not serve, with the reason the error gives
+NOT_SERVED: dict[str, str] = {
+    "/v1/embeddings": "embeddings are not served: Batchery runs generation models",
+    "/v1/moderations": "moderations are not served: Batchery runs no moderation model",
+}
 LINE_KEYS = frozenset({"custom_id", "method", "url", "body"})
 MAX_CUSTOM_ID_CHARS = 512
 
@@ -156,9 +168,10 @@ def parse_object(obj: Any, line: int, seen: set[str] | None = None) -> BatchLine
     url = obj.get("url")
     schema = ENDPOINTS.get(url) if isinstance(url, str) else None
     if schema is None or not isinstance(url, str):
-        return LineError(
-            line, custom_id, UNSUPPORTED_URL, f"url must be one of {', '.join(ENDPOINTS)}, got {_short(url)}"
-        )
+        supported = ", ".join(ENDPOINTS)
+        if isinstance(url, str) and url in NOT_SERVED:
+            return LineError(line, custom_id, UNSUPPORTED_URL, f"{NOT_SERVED[url]}; supported: {supported}")
+        return LineError(line, custom_id, UNSUPPORTED_URL, f"url must be one of {supported}, got {_short(url)}")
     body = obj.get("body")
     if not isinstance(body, dict):
         return LineError(line, custom_id, INVALID_BODY, f"body must be a JSON object, got {_json_type(body)}")
