@@ -110,6 +110,25 @@ class BlockManager:
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
             seq.block_table.append(self._pop_free())
 
+    def fork(self, parent: Sequence, child: Sequence) -> int:
+        """Share ``parent``'s full prompt blocks with ``child`` (another choice of the same request,
+        not yet scheduled), one more reference each; returns how many. Only blocks that hold prompt
+        tokens before the last one are shared, ``(P - 1) // block_size`` for a P-token prompt: no
+        sequence writes into them any more (the parent's new tokens go after the prompt), and the
+        child recomputes the rest, at least the last prompt token, so that it samples its own first
+        token. The caller makes sure the parent has computed its prompt."""
+        if child.block_table:
+            raise ValueError("fork: the child already has blocks")
+        bs = self.block_size
+        n = min((child.num_prompt_tokens - 1) // bs, parent.num_computed_tokens // bs, len(parent.block_table))
+        for block in parent.block_table[:n]:
+            self._take(block)
+        child.block_table = parent.block_table[:n]
+        child.block_hashes = parent.block_hashes[:n]  # the chain continues past them (prefix caching)
+        child.num_computed_tokens = n * bs
+        child.num_cached_tokens = 0  # shared within the request, not served from the prefix cache
+        return n
+
     def free_seq(self, seq: Sequence) -> None:
         """Release a sequence's blocks (finish, abort or preemption). Cached ones stay reusable."""
         for block in reversed(seq.block_table):

@@ -1,5 +1,6 @@
 """Iteration-level scheduler: token budget, decode first, chunked prefill, preemption by recompute,
-and isolated sequences (quarantine) that run only in steps of their own.
+isolated sequences (quarantine) that run only in steps of their own, and the choices of one request
+(``SamplingParams.n``) forked from its first choice once that has computed the prompt.
 
 Pure Python: plain ints, no torch."""
 
@@ -38,9 +39,17 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival_time)
         self.running: list[Sequence] = []  # admission order; decode tokens go first
-        self.isolated: list[Sequence] = []  # the isolated ones among waiting and running, in arrival order
+        self.isolated: list[Sequence] = []  # the isolated ones among waiting, forked and running, in arrival order
         self.last_step_isolated = False  # whose turn is next while both kinds have work
         self.num_preemptions = 0
+        # Choices 1..n-1 of a request wait here, under its choice 0 (the parent), until the parent has
+        # computed the prompt; then each forks the parent's full prompt blocks (``BlockManager.fork``).
+        self.unforked: dict[Sequence, list[Sequence]] = {}
+        # Forked choices holding their share of the prompt blocks, not yet admitted. They go in before
+        # anything waiting (their request is already running), and one that does not fit gives its
+        # blocks back and waits like a new sequence: no queued sequence holds blocks others need.
+        self.forked: list[Sequence] = []
+        self.num_forks = 0  # choices that forked a parent's prompt blocks
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -49,17 +58,49 @@ class Scheduler:
         if seq.isolated and seq not in self.isolated:
             self.isolated.append(seq)
 
+    def add_fork(self, child: Sequence, parent: Sequence) -> None:
+        """Queue ``child``, another choice of ``parent``'s request (same prompt), to start from the
+        parent's prompt blocks: it waits until the step in which the parent samples its first token
+        (the prompt is computed then), forks the parent's full prompt blocks and recomputes only the
+        tail of the prompt. A parent that has sampled already, or is not here, cannot be forked:
+        the child is queued on its own then."""
+        if child.num_prompt_tokens != parent.num_prompt_tokens or child.prompt_token_ids != parent.prompt_token_ids:
+            raise ValueError("add_fork: a child must have its parent's prompt")
+        known = parent in self.running or parent in self.waiting or parent in self.unforked
+        if not known or parent.num_output_tokens:
+            self.add(child)
+            return
+        child.status = SequenceStatus.WAITING
+        self.unforked.setdefault(parent, []).append(child)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences not running: waiting, forked and not yet admitted, or waiting for their fork."""
+        return len(self.waiting) + len(self.forked) + sum(map(len, self.unforked.values()))
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.forked or self.unforked)
 
     def remove(self, seq: Sequence) -> None:
-        """Drop a sequence (finished or aborted) and release its blocks."""
+        """Drop a sequence (finished or aborted) and release its blocks. Choices still waiting to
+        fork from it start on their own instead (queued by their own sort key)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.forked:
+            self.forked.remove(seq)
+        else:
+            for parent, children in list(self.unforked.items()):
+                if seq in children:
+                    children.remove(seq)
+                    if not children:
+                        del self.unforked[parent]
+                    break
         if seq.isolated and seq in self.isolated:
             self.isolated.remove(seq)
+        for child in self.unforked.pop(seq, []):
+            self.add(child)
         self.block_manager.free_seq(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -90,6 +131,15 @@ class Scheduler:
         bm = self.block_manager
         for seq in out.seqs:
             bm.register_full_blocks(seq)
+        # A parent that sampled its first token has just computed its prompt: its choices fork now,
+        # before a parent that finished in this same step gives its blocks back.
+        for seq in runner_out.sampled_seqs:
+            for child in self.unforked.pop(seq, []):
+                bm.fork(seq, child)
+                self.forked.append(child)
+                if child.isolated:
+                    self.isolated.append(child)
+                self.num_forks += 1
         for seq, reason in finished:
             self.finish(seq, reason)
         return [seq for seq, _ in finished]
@@ -125,7 +175,7 @@ class Scheduler:
         if not self.isolated:
             self.last_step_isolated = False
             return self._schedule_batch()
-        has_others = len(self.running) + len(self.waiting) > len(self.isolated)
+        has_others = len(self.running) + len(self.waiting) + len(self.forked) > len(self.isolated)
         kinds = (False, True) if has_others and self.last_step_isolated else (True, False)
         num_preempted = 0
         for isolated in kinds:
@@ -138,27 +188,37 @@ class Scheduler:
         return out  # nothing fits this step (it may have preempted something to make room)
 
     def _admit(self, seq: Sequence, budget: int) -> int:
-        """Move waiting ``seq`` to running with a first chunk of at most ``budget`` tokens; returns
-        the chunk's size, or 0 (and changes nothing) if its blocks do not fit."""
+        """Move waiting (or forked) ``seq`` to running with a first chunk of at most ``budget``
+        tokens; returns the chunk's size, or 0 if its blocks do not fit. Then a waiting sequence is
+        left as it was; a forked one gives its shared blocks back and queues as a waiting sequence
+        (it recomputes its prompt, from the prefix cache where it can)."""
         bm = self.block_manager
-        bm.match_prefix(seq)
+        forked = seq in self.forked
+        if not forked:
+            bm.match_prefix(seq)
         n = min(seq.num_uncomputed_tokens, budget)
         if not bm.can_allocate(seq, n):
-            bm.free_seq(seq)  # give back prefix-cache references taken by match_prefix
+            bm.free_seq(seq)  # give back prefix-cache references taken by match_prefix, or the fork's
+            if forked:
+                self.forked.remove(seq)
+                self.add(seq)
             return 0
         bm.allocate(seq, n)
-        self.waiting.remove(seq)
-        if bm.enable_prefix_caching:
-            bm.num_query_tokens += seq.num_tokens
-            bm.num_hit_tokens += seq.num_cached_tokens
+        if forked:
+            self.forked.remove(seq)
+        else:
+            self.waiting.remove(seq)
+            if bm.enable_prefix_caching:
+                bm.num_query_tokens += seq.num_tokens
+                bm.num_hit_tokens += seq.num_cached_tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return n
 
     def _schedule_isolated(self) -> SchedulerOutput:
         """A step of one isolated sequence alone: a running one's next token or prefill chunk, else
-        the first waiting one's admission. Others are preempted if its blocks do not fit, as in a
-        shared step."""
+        the admission of a forked one or of the first waiting one. Others are preempted if its
+        blocks do not fit, as in a shared step."""
         bm = self.block_manager
         out = SchedulerOutput(isolated=True)
         running = [s for s in self.isolated if s.status == SequenceStatus.RUNNING]
@@ -174,7 +234,9 @@ class Scheduler:
                     return out
             bm.allocate(seq, n)
         else:
-            seq = min(self.isolated, key=Sequence.sort_key)
+            # a forked choice goes first, as in a shared step: it holds blocks until it runs
+            forked = [s for s in self.forked if s.isolated]
+            seq = forked[0] if forked else min(self.isolated, key=Sequence.sort_key)
             if len(self.running) >= self.max_num_seqs:
                 return out
             n = self._admit(seq, budget)
@@ -220,14 +282,19 @@ class Scheduler:
                 i += 1
             # when seq itself was preempted the list shifted, so index i now holds the next one
 
-        # 2. Waiting sequences, in priority/FCFS order, while budget, slots and blocks allow. An
-        # isolated one first in line stops the line: it goes in on its own turn, and no one
-        # behind it takes its slot or its blocks meanwhile.
+        # 2. Forked choices (their request is running already), then waiting sequences in
+        # priority/FCFS order, while budget, slots and blocks allow. An isolated one first in line
+        # stops the line: it goes in on its own turn, and no one behind it takes its slot or its
+        # blocks meanwhile.
         if out.num_preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.isolated:
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            forked = [s for s in self.forked if not s.isolated]
+            if forked:
+                seq = forked[0]
+            elif self.waiting and not self.waiting[0].isolated:
+                seq = self.waiting[0]
+            else:
                 break
             n = self._admit(seq, budget)
             if not n:

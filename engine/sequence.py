@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypedDict
 
 from batchery.engine.sampling import SamplingParams
@@ -32,17 +32,35 @@ class TokenLogprobs(TypedDict):
 
 
 @dataclass
-class RequestOutput:
-    """What ``LLMEngine.step()`` and ``LLM.generate()`` hand back for one finished request."""
+class CompletionOutput:
+    """One choice of a request (vLLM's ``CompletionOutput``): ``SamplingParams.n`` of them per request."""
 
-    request_id: str
-    prompt_token_ids: list[int]  # the prompt as the engine ran it
+    index: int  # the choice's index, 0 to n - 1
     token_ids: list[int]  # the generated tokens (a stop token included; it is left out of ``text``)
     text: str  # the generated text, a matched stop string and what follows it cut off
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     logprobs: list[TokenLogprobs] | None = None  # one per generated token; None unless the request asked
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    error: str | None = None  # why the request failed, with finish_reason "error"
+
+
+@dataclass
+class RequestOutput:
+    """What ``LLMEngine.step()`` and ``LLM.generate()`` hand back for one finished request: all of
+    its choices in ``outputs`` (ordered by index). The flat fields are choice 0's, so callers that
+    ask for one choice need not look at ``outputs``; left empty, ``outputs`` is filled from them."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # the prompt as the engine ran it
+    token_ids: list[int]  # choice 0's generated tokens (a stop token included; it is left out of ``text``)
+    text: str  # choice 0's text, a matched stop string and what follows it cut off
+    finish_reason: str | None  # choice 0's: "stop" | "length" | "abort" | "error"
+    logprobs: list[TokenLogprobs] | None = None  # choice 0's, one per generated token; None unless asked
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (the prompt's, once)
+    error: str | None = None  # why the request failed, with finish_reason "error" (for every choice)
+    outputs: list[CompletionOutput] = field(default_factory=list)  # every choice, ordered by index
+
+    def __post_init__(self) -> None:
+        if not self.outputs:
+            self.outputs = [CompletionOutput(0, self.token_ids, self.text, self.finish_reason, self.logprobs)]
 
 
 class Sequence:
@@ -55,8 +73,10 @@ class Sequence:
         arrival_time: float | None = None,
         isolated: bool = False,
         grammar: GrammarState | None = None,
+        index: int = 0,
     ) -> None:
-        self.request_id = request_id
+        self.request_id = request_id  # shared by all choices of a request
+        self.index = index  # which choice of its request (``SamplingParams.n``); 0 is the one that computes the prompt
         self.params = params
         self.priority = priority
         # runs only in steps of its own (quarantine: a suspect request, so that a failing step names it)
@@ -113,6 +133,8 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
-    def sort_key(self) -> tuple[int, float]:
-        """FCFS within priority; lower priority value runs first."""
-        return (self.priority, self.arrival_time)
+    def sort_key(self) -> tuple[int, float, int]:
+        """FCFS within priority; lower priority value runs first. The choices of one request share
+        its priority and arrival, so they queue together, in index order (and the newest choice
+        is the first to be preempted among them)."""
+        return (self.priority, self.arrival_time, self.index)
