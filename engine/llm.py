@@ -16,7 +16,7 @@ from typing import Any, cast
 from batchery.engine.config import DEFAULT_MODEL, EngineConfig
 from batchery.engine.llm_engine import LLMEngine
 from batchery.engine.sampling import SamplingParams
-from batchery.engine.sequence import RequestOutput
+from batchery.engine.sequence import CompletionOutput, RequestOutput
 
 
 class LLM:
@@ -31,9 +31,10 @@ class LLM:
         prompts: str | list[int] | list[str] | list[list[int]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids). Outputs come back in prompt order; a
-        prompt the engine rejects (e.g. longer than the context) fails alone with
-        ``finish_reason == "error"`` and ``error`` set."""
+        """Generate for each prompt (text or token ids). Outputs come back in prompt order, one per
+        prompt, with ``SamplingParams.n`` choices in ``outputs``; a prompt the engine rejects (e.g.
+        longer than the context) fails alone with ``finish_reason == "error"`` (every choice's) and
+        ``error`` set."""
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
         batch = cast("list[str | list[int]]", [prompts] if single else prompts)
         token_ids = [self.engine.encode(p) if isinstance(p, str) else list(p) for p in batch]
@@ -66,7 +67,9 @@ class LLM:
             try:
                 self.engine.add_request(rid, ids, p)
             except ValueError as e:
-                results[rid] = RequestOutput(rid, ids, [], "", "error", error=str(e))
+                n = p.n if isinstance(p, SamplingParams) else 1
+                choices = [CompletionOutput(i, [], "", "error") for i in range(n)]
+                results[rid] = RequestOutput(rid, ids, [], "", "error", error=str(e), outputs=choices)
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 results[out.request_id] = out

@@ -18,7 +18,7 @@ from batchery.engine.loader import LoadedModel, load_model
 from batchery.engine.model_runner import ModelRunner
 from batchery.engine.sampling import SamplingParams
 from batchery.engine.scheduler import Scheduler, SchedulerOutput
-from batchery.engine.sequence import RequestOutput, Sequence
+from batchery.engine.sequence import CompletionOutput, RequestOutput, Sequence
 from batchery.engine.stop_checker import STOP_TOKEN, StopChecker
 from batchery.engine.structured import GrammarCache, grammar_cache
 
@@ -26,6 +26,13 @@ log = logging.getLogger("batchery.engine")
 
 OOM_RESTORE_STEPS = 64  # steps without an out-of-memory error before a shrunk step limit doubles back
 OOM_MIN_TOKENS = 16  # the token budget never shrinks below this (or the scheduled step, if smaller)
+CHOICE_SEED_STEP = 0x9E3779B97F4A7C15  # the golden-ratio increment: seeds of a request's choices far apart
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request seeded with ``seed``: choice 0 keeps ``seed`` (so it
+    samples exactly as the request would with ``n=1``), the others get seeds of their own."""
+    return seed if index == 0 else (seed + index * CHOICE_SEED_STEP) % 2**63
 
 
 def _eos_ids(loaded: LoadedModel) -> list[int]:
@@ -54,7 +61,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.stop_checker = StopChecker(self.tokenizer, _eos_ids(self.loaded), self.max_model_len)
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, Sequence] = {}  # request id -> its choice 0 (until every choice has finished)
+        self.choices: dict[str, list[Sequence]] = {}  # request id -> all its choices, by index
         self.on_step_start: Callable[[list[Sequence]], None] | None = None
         self.num_steps = 0
         self._sum_batch_seqs = 0
@@ -62,7 +70,8 @@ class LLMEngine:
         self.last_step_num_seqs = 0
         self.last_step_num_tokens = 0
         self.num_generated_tokens = 0
-        self.num_prompt_tokens = 0
+        self.num_prompt_tokens = 0  # of the finished requests, each prompt once
+        self.num_prompt_tokens_computed = 0  # prompt positions run through the model (recomputation included)
         self.num_oom = 0  # steps that ran out of memory and were shrunk
         self._oom_ok_steps = 0  # steps since the last OOM (or the last restore)
 
@@ -100,7 +109,11 @@ class LLMEngine:
     ) -> None:
         """Queue a request. Raises ``ValueError`` naming the problem; the engine is unaffected.
         An ``isolated`` request runs only in steps of its own, taking turns with the steps of the
-        others (quarantine: if such a step fails, the request was the only one in it)."""
+        others (quarantine: if such a step fails, the request was the only one in it).
+
+        ``params.n`` choices run: choice 0 computes the prompt and the others fork its prompt blocks
+        once it has (``Scheduler.add_fork``), each with its own random stream (``choice_seed``) and
+        its own grammar state; one ``RequestOutput`` comes back when all of them have finished."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         if not prompt_token_ids:
@@ -118,12 +131,29 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         params = self._fit_to_model(params)
         spec = params.structured
-        grammar = self.grammars.matcher(spec) if spec is not None else None
-        seq = Sequence(
-            request_id, prompt_token_ids, params, priority=priority, isolated=bool(isolated), grammar=grammar
-        )
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        seqs: list[Sequence] = []
+        for i in range(params.n):  # all built before any is queued: an invalid constraint queues nothing
+            p = params
+            if i and params.seed is not None:
+                p = dataclasses.replace(params, seed=choice_seed(params.seed, i))
+            seqs.append(
+                Sequence(
+                    request_id,
+                    prompt_token_ids,
+                    p,
+                    priority=priority,
+                    arrival_time=seqs[0].arrival_time if seqs else None,
+                    isolated=bool(isolated),
+                    grammar=self.grammars.matcher(spec) if spec is not None else None,
+                    index=i,
+                )
+            )
+        parent = seqs[0]
+        self.requests[request_id] = parent
+        self.choices[request_id] = seqs
+        self.scheduler.add(parent)
+        for child in seqs[1:]:
+            self.scheduler.add_fork(child, parent)
 
     def _fit_to_model(self, params: SamplingParams) -> SamplingParams:
         """``params`` checked against the loaded model, so that nothing a step indexes can be out of
@@ -136,16 +166,25 @@ class LLMEngine:
             raise ValueError(
                 f"stop_token_ids {shown} are outside this model's vocabulary of {vocab} tokens (ids 0 to {vocab - 1})"
             )
+        outside = sorted(t for t in params.logit_bias or {} if t >= vocab)
+        if outside:
+            shown = ", ".join(map(str, outside[:5])) + (", ..." if len(outside) > 5 else "")
+            raise ValueError(
+                f"logit_bias token ids {shown} are outside this model's vocabulary of {vocab} tokens "
+                f"(ids 0 to {vocab - 1})"
+            )
         if params.top_k >= vocab:
             params = dataclasses.replace(params, top_k=0)
         return params
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request now and free its KV blocks. False if it is unknown or already finished."""
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
+        """Drop a request now, all its choices, and free their KV blocks. False if it is unknown
+        or already finished."""
+        if self.requests.pop(request_id, None) is None:
             return False
-        self.scheduler.finish(seq, "abort")
+        for seq in reversed(self.choices.pop(request_id)):  # the forks first, then the parent
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
         return True
 
     def has_unfinished(self) -> bool:
@@ -174,14 +213,22 @@ class LLMEngine:
         self.last_step_num_tokens = sched.num_batched_tokens
         self._sum_batch_seqs += len(sched.seqs)
         self._sum_batch_tokens += sched.num_batched_tokens
+        for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
+            # the chunk covers positions [computed, computed + n); those before the prompt's end are prompt
+            self.num_prompt_tokens_computed += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
 
         finished = self.scheduler.update_from_output(sched, runner_out, self.stop_checker.check)
         outputs = []
         for seq in finished:
-            self.requests.pop(seq.request_id, None)
             self.num_generated_tokens += seq.num_output_tokens
+        for seq in finished:
+            choices = self.choices.get(seq.request_id)
+            if choices is None or not all(s.is_finished for s in choices):
+                continue  # its other choices go on (or it was output already, with a choice that finished beside it)
+            del self.choices[seq.request_id]
+            self.requests.pop(seq.request_id, None)
             self.num_prompt_tokens += seq.num_prompt_tokens
-            outputs.append(self._output(seq))
+            outputs.append(self._output(choices))
         return outputs
 
     # -- out of memory ---------------------------------------------------------------------
@@ -233,18 +280,25 @@ class LLMEngine:
             sch.max_num_batched_tokens,
         )
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        stop_token = seq.finish_reason == STOP_TOKEN
-        if stop_token:
-            seq.finish_reason = "stop"
+    def _output(self, choices: list[Sequence]) -> RequestOutput:
+        """The request's output once all its ``choices`` (index order) have finished."""
+        outs = []
+        for seq in choices:
+            stop_token = seq.finish_reason == STOP_TOKEN
+            if stop_token:
+                seq.finish_reason = "stop"
+            text = final_text(self.tokenizer, seq, strip_last=stop_token)
+            outs.append(CompletionOutput(seq.index, seq.output_token_ids, text, seq.finish_reason, seq.logprobs))
+        first, out0 = choices[0], outs[0]
         return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
-            text=final_text(self.tokenizer, seq, strip_last=stop_token),
-            finish_reason=seq.finish_reason,
-            logprobs=seq.logprobs,
-            num_cached_tokens=seq.num_cached_tokens,
+            request_id=first.request_id,
+            prompt_token_ids=first.prompt_token_ids,
+            token_ids=out0.token_ids,
+            text=out0.text,
+            finish_reason=out0.finish_reason,
+            logprobs=out0.logprobs,
+            num_cached_tokens=first.num_cached_tokens,
+            outputs=outs,
         )
 
     # -- stats -----------------------------------------------------------------------------
@@ -252,9 +306,10 @@ class LLMEngine:
         """Counters and gauges of the engine (the worker's metrics read these keys)."""
         bm = self.block_manager
         steps = max(self.num_steps, 1)
+        grammars = getattr(self.loaded, "_batchery_grammars", None)  # only once a constraint was compiled
         return {
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting": self.scheduler.num_waiting,
             "num_steps": self.num_steps,
             "last_step_num_seqs": self.last_step_num_seqs,
             "last_step_num_tokens": self.last_step_num_tokens,
@@ -271,5 +326,9 @@ class LLMEngine:
             "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
             "num_generated_tokens": self.num_generated_tokens,
             "num_prompt_tokens": self.num_prompt_tokens,
+            "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
+            "num_forked_choices": self.scheduler.num_forks,
+            "grammar_compiled": int(getattr(grammars, "num_compiled", 0)),
+            "grammar_cache_hits": int(getattr(grammars, "num_hits", 0)),
             "time": time.time(),
         }
