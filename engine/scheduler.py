@@ -133,7 +133,7 @@ class Scheduler:
             bm.register_full_blocks(seq)
         # A parent that sampled its first token has just computed its prompt: its choices fork now,
         # before a parent that finished in this same step gives its blocks back.
-        for seq in runner_out.sampled_seqs:
+        for seq in runner_out.sampled_seqs if self.unforked else ():
             for child in self.unforked.pop(seq, []):
                 bm.fork(seq, child)
                 self.forked.append(child)
