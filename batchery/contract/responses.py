@@ -1,5 +1,5 @@
 """The OpenAI Responses API (``/v1/responses``): the request, its translation to a chat request, and
-the Response object built from a chat completion.
+the Response object built from a chat completion (``response_from_chat``; ``Response`` parses it).
 
 A Responses request is stateless here: Batchery keeps no responses or conversations, so the fields
 that point at OpenAI's stored state (``previous_response_id``, ``conversation``, ``prompt``,
@@ -16,7 +16,16 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from batchery.contract.schemas import (
     IGNORED_FIELDS,
@@ -30,6 +39,7 @@ from batchery.contract.schemas import (
     Name,
     ShortText,
     Text,
+    _Open,
     _Strict,
     check_tools_and_choice,
     check_tools_list,
@@ -49,6 +59,8 @@ RESPONSES_IGNORED_FIELDS: dict[str, str] = {
     "parallel_tool_calls": "without tools (with tools it is supported)",
     "truncation": 'when it is "disabled" (OpenAI\'s default, and what Batchery does)',
     "background": "when it is false",
+    "background_options": "options of background mode, which is refused",
+    "image": "request-level image options; Batchery takes no images",
     "text.verbosity": "a length hint for OpenAI's GPT-5 models; not a constraint, and Batchery's models take none",
 }
 RESPONSES_REFUSED_FIELDS: dict[str, str] = {
@@ -59,6 +71,7 @@ RESPONSES_REFUSED_FIELDS: dict[str, str] = {
     "prompt": "prompt templates are stored at OpenAI and not supported; send the text in instructions and input",
     "context_management": "server-side context compaction is not supported",
     "moderation": "moderation is not supported: Batchery runs no moderation model",
+    "access_programs": "OpenAI's access programs are not supported: they select capabilities of OpenAI's models",
 }
 REFUSED_INPUT_PARTS = {"input_image": "images", "input_file": "files", "input_audio": "audio"}
 
@@ -247,16 +260,21 @@ class ResponsesRequest(_Strict):
     stream_options: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     max_tool_calls: int | None = None
+    background_options: dict[str, Any] | None = None
+    image: dict[str, Any] | None = None
     # refused (RESPONSES_REFUSED_FIELDS): any value but null
     previous_response_id: Any = None
     conversation: Any = None
     prompt: Any = None
     context_management: Any = None
     moderation: Any = None
+    access_programs: Any = None
 
     _chat: ChatCompletionRequest | None = PrivateAttr(default=None)
 
-    @field_validator("previous_response_id", "conversation", "prompt", "context_management", "moderation")
+    @field_validator(
+        "previous_response_id", "conversation", "prompt", "context_management", "moderation", "access_programs"
+    )
     @classmethod
     def _refused(cls, v: Any, info: ValidationInfo) -> Any:
         raise ValueError(RESPONSES_REFUSED_FIELDS[str(info.field_name)])
@@ -445,6 +463,40 @@ class ResponsesRequest(_Strict):
 
 
 # -- the Response object ----------------------------------------------------------------------------
+class ResponseUsage(_Open):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: dict[str, Any] | None = None
+    output_tokens_details: dict[str, Any] | None = None
+
+
+class Response(_Open):
+    """A Response object as ``response_from_chat`` builds it (the client parses results with it).
+    The items stay plain dicts, in OpenAI's shape; ``output_text`` is the SDK's convenience: the
+    text of every ``output_text`` part of the message items, joined."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: float
+    status: Literal["completed", "incomplete", "failed", "cancelled", "in_progress", "queued"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: ResponseUsage | None = None
+    incomplete_details: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+
+    @property
+    def output_text(self) -> str:
+        return "".join(
+            part.get("text", "")
+            for item in self.output
+            if item.get("type") == "message"
+            for part in item.get("content") or ()
+            if isinstance(part, dict) and part.get("type") == "output_text"
+        )
+
+
 def _suffix(response_id: str) -> str:
     return response_id.removeprefix("resp_")
 
@@ -475,13 +527,15 @@ def _output_logprobs(choice: dict[str, Any]) -> list[dict[str, Any]] | None:
 
 
 def response_from_chat(
-    chat: dict[str, Any], *, response_id: str, created_at: float, model: str, req: ResponsesRequest
+    chat: dict[str, Any] | BaseModel, *, response_id: str, created_at: float, model: str, req: ResponsesRequest
 ) -> dict[str, Any]:
     """The Response object (OpenAI's shape) for the chat completion ``chat`` (a ``ChatCompletion``
     as a dict) that ran ``req.to_chat()``. Its first choice is the answer: a ``message`` item with
     the text (when there is text, or no call), then one ``function_call`` item per tool call. Status
     ``completed``, or ``incomplete`` with ``incomplete_details.reason "max_output_tokens"`` when the
     token limit cut it short. Item ids derive from ``response_id``, so a retry gives the same ones."""
+    if isinstance(chat, BaseModel):
+        chat = chat.model_dump(mode="json")
     if not response_id.startswith("resp_"):
         response_id = "resp_" + response_id
     suffix = _suffix(response_id)

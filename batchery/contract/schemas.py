@@ -54,7 +54,7 @@ MAX_SCHEMA_CHARS = 65_536  # JSON text of one schema (response format, a tool's 
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_TOOLS_CHARS = 262_144  # JSON text of all the tools of a request together
 MAX_TOOL_CALLS = 128  # calls in one assistant message of the history
-MAX_CHOICES = 1024  # entries of a choice constraint
+MAX_CHOICES = 256  # entries of a choice constraint (the engine's limit)
 MAX_METADATA = 16  # OpenAI's limits on metadata: 16 pairs, keys of 64 characters, values of 512
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's pattern for function and response-format names
 
@@ -194,6 +194,8 @@ def parse_schema(value: Any, what: str, *, object_type: bool = False) -> dict[st
 
 
 def _bounded_text(value: str, what: str) -> str:
+    if not value:
+        raise ValueError(f"{what} must not be empty")
     if len(value) > MAX_SCHEMA_CHARS:
         raise ValueError(f"{what} has {len(value)} characters; the limit is {MAX_SCHEMA_CHARS}")
     return value
@@ -253,8 +255,8 @@ CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structu
 
 
 def _check_choice(v: Any, what: str) -> list[str]:
-    if not isinstance(v, list) or not v or not all(isinstance(c, str) for c in v):
-        raise ValueError(f"{what} must be a non-empty list of strings")
+    if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
+        raise ValueError(f"{what} must be a non-empty list of non-empty strings")
     if len(v) > MAX_CHOICES:
         raise ValueError(f"{what} has {len(v)} entries; the limit is {MAX_CHOICES}")
     if json_chars(v) > MAX_SCHEMA_CHARS:
