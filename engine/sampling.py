@@ -52,6 +52,12 @@ class SamplingParams:
             self.top_k = 0
         self._check()
         self.temperature = float(self.temperature)
+        # the sampler's view of logit_bias, built once: token ids ascending and their biases
+        items = sorted(self.logit_bias.items()) if self.logit_bias else []
+        self._logit_bias_items: tuple[list[int], list[float]] = (
+            [t for t, _ in items],
+            [float(b) for _, b in items],
+        )
 
     def _check(self) -> None:
         def bad(name: str, why: str) -> NoReturn:
@@ -102,13 +108,19 @@ class SamplingParams:
             bad("n", f"must be an integer in [1, {MAX_N}]")
         if self.logit_bias is not None:
             lb = self.logit_bias
-            if not isinstance(lb, dict) or len(lb) > MAX_LOGIT_BIAS:
-                bad("logit_bias", f"must be a dict of at most {MAX_LOGIT_BIAS} token ids to biases")
+            if not isinstance(lb, dict):
+                bad("logit_bias", "must be a dict of token ids to biases")
+            if len(lb) > MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"SamplingParams.logit_bias has {len(lb)} entries, more than the {MAX_LOGIT_BIAS} allowed"
+                )
             for k, v in lb.items():
                 if not is_int(k) or k < 0:
-                    bad("logit_bias", "must have non-negative integer token ids as keys")
+                    raise ValueError(
+                        f"SamplingParams.logit_bias keys must be non-negative integer token ids, got {k!r:.40}"
+                    )
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100.0 <= v <= 100.0:
-                    bad("logit_bias", "must have biases in [-100, 100]")
+                    raise ValueError(f"SamplingParams.logit_bias[{k}] must be a number in [-100, 100], got {v!r:.40}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", "must be a StructuredOutputsParams, a dict or None")
 
@@ -116,6 +128,12 @@ class SamplingParams:
     def structured(self) -> StructuredOutputsParams | None:
         """``structured_outputs`` as ``__post_init__`` left it."""
         return cast("StructuredOutputsParams | None", self.structured_outputs)
+
+    @property
+    def logit_bias_items(self) -> tuple[list[int], list[float]]:
+        """``logit_bias`` as two lists, token ids ascending and their biases (computed once, in
+        ``__post_init__``: change ``logit_bias`` afterwards through ``dataclasses.replace``)."""
+        return self._logit_bias_items
 
     @property
     def stop_strings(self) -> list[str]:

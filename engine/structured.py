@@ -5,8 +5,34 @@ sampled token.
 
 Why xgrammar: it is the backend vLLM, SGLang and TensorRT-LLM share, so a schema that works
 there works here; it compiles JSON Schema, regular expressions, EBNF and structural tags
-(tool calls) to a token-level pushdown automaton with a per-tokenizer cache, fills a
-vocabulary bitmask in microseconds on the CPU, and runs the same on CPU and CUDA.
+(tool calls) to a token-level pushdown automaton with a per-tokenizer mask cache, fills a
+vocabulary bitmask in a few microseconds per row on the CPU, and applies it on CPU and CUDA.
+
+How JSON is laid out (the whitespace policy). Schemas and JSON mode compile with
+``any_whitespace=False``: the output has one fixed layout, the one ``json.dumps`` writes by
+default (one line, ``", "`` and ``": "`` separators). With xgrammar's default (any whitespace
+between tokens) every newline, space or indent is a legal next token at almost every position,
+and a small model (SmolLM2-135M here) readily spends its whole ``max_tokens`` on whitespace
+without ever closing the object -- vLLM added ``disable_any_whitespace`` for the same loop. A cap
+(``max_whitespace_cnt``) only shortens each run of whitespace; the fixed layout removes the
+choice, so every sampled token advances the document. The parsed value is what matters to a
+caller; its formatting is not part of any schema.
+
+Schemas and ``strict``. OpenAI's ``strict: true`` promises that the output matches the schema
+exactly; without it the model only tries. Here every schema is enforced, with xgrammar's
+``strict_mode``: an object never gets properties (nor an array items) that the schema does not
+name, unless the schema itself allows them (``additionalProperties``, ``items``). The output is
+thus valid both for an OpenAI-strict schema (``additionalProperties: false``, every property
+required) and for a plain JSON Schema, where extra properties would be legal but would only give
+a small model more room to wander. JSON mode (``json_object``) is any JSON *object* (OpenAI's
+promise; xgrammar's built-in JSON grammar would also allow a top-level array).
+
+Control characters. JSON forbids raw control characters (U+0000 to U+001F) in strings, but the
+grammars xgrammar 0.2.9 compiles for length-bounded strings (``minLength``/``maxLength``) allow
+them, and byte-level vocabularies have such tokens (SmolLM2: 159 of 49,152): a random model found
+``"\x19"`` in a ``maxLength`` string at once, which ``json.loads`` refuses. With the fixed layout no
+JSON output ever needs one (a newline inside a string is written ``\n``), so JSON rows never get
+tokens containing a control byte (``GrammarState.restrict``).
 
 Compilation runs in the caller's thread (the engine service compiles in the task's thread,
 off the engine loop); the cache is shared by every engine built on the same loaded model."""
@@ -14,21 +40,87 @@ off the engine loop); the cache is shared by every engine built on the same load
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
 MAX_CACHED_GRAMMARS = 256  # distinct constraints kept compiled (LRU)
+MAX_CACHED_BYTES = 1 << 30  # and at most this much compiled-grammar memory (xgrammar's own estimate)
+MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema's JSON text, a regex, a grammar, or all choices together
+MAX_CHOICES = 256
+MAX_ERROR_CHARS = 400  # of xgrammar's message, in the ValueError
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+JSON_OBJECT_SCHEMA = '{"type": "object"}'  # JSON mode: any object, laid out as JSON schemas are
+
+# xgrammar's messages start with "[hh:mm:ss] /project/cpp/file.cc:123: " and sometimes a failed check
+_XGR_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
+
+
+def _canonical_json(value: Any, name: str) -> str:
+    """``value`` (an object, or its JSON text) as compact JSON text. Key order is kept: xgrammar
+    emits properties in the schema's order, so two schemas that differ only in order are two
+    grammars."""
+    if isinstance(value, str):
+        if len(value) > 4 * MAX_CONSTRAINT_CHARS:  # a cheap bound before parsing a huge text
+            raise ValueError(f"structured_outputs.{name} is longer than {MAX_CONSTRAINT_CHARS} characters")
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"structured_outputs.{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"structured_outputs.{name} must be a JSON object (or its JSON text), got {type(value).__name__}"
+        )
+    try:
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"structured_outputs.{name} is not JSON: {exc}") from None
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise ValueError(
+            f"structured_outputs.{name} is {len(text)} characters of JSON, more than the {MAX_CONSTRAINT_CHARS} allowed"
+        )
+    return text
+
+
+def _check_text(value: Any, name: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r:.80}")
+    if len(value) > MAX_CONSTRAINT_CHARS:
+        raise ValueError(
+            f"structured_outputs.{name} is {len(value)} characters, more than the {MAX_CONSTRAINT_CHARS} allowed"
+        )
+    return value
+
+
+def _check_choice(value: Any) -> tuple[str, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"structured_outputs.choice must be a list of strings, got {type(value).__name__}")
+    if not value:
+        raise ValueError("structured_outputs.choice must have at least one string, got an empty list")
+    if len(value) > MAX_CHOICES:
+        raise ValueError(f"structured_outputs.choice has {len(value)} entries, more than the {MAX_CHOICES} allowed")
+    for i, s in enumerate(value):
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"structured_outputs.choice[{i}] must be a non-empty string, got {s!r:.80}")
+    total = sum(len(s) for s in value)
+    if total > MAX_CONSTRAINT_CHARS:
+        raise ValueError(
+            f"structured_outputs.choice has {total} characters in all, more than the {MAX_CONSTRAINT_CHARS} allowed"
+        )
+    return tuple(value)
 
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """One constraint (vLLM's field names). Exactly one of the fields is set."""
+    """One constraint (vLLM's field names). Exactly one of the fields is set. Invalid values raise
+    ``ValueError`` naming the field; whether a schema, regex or grammar compiles is checked by
+    ``GrammarCache.compile``. Treat the object (and a schema dict in it) as immutable: its cache
+    key is computed once, here."""
 
     json: dict | str | None = None  # a JSON schema (an object, or its JSON text)
     regex: str | None = None
@@ -36,118 +128,284 @@ class StructuredOutputsParams:
     grammar: str | None = None  # EBNF (xgrammar's dialect, GBNF-like)
     json_object: bool = False  # any JSON object (OpenAI's JSON mode)
     structural_tag: dict | str | None = None  # an xgrammar structural tag (tool calls use these)
+    _text: str = field(default="", init=False, repr=False, compare=False)  # the constraint's text for xgrammar
 
     def __post_init__(self) -> None:
-        if self.choice is not None:
-            object.__setattr__(self, "choice", tuple(self.choice))
         set_ = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(set_) != 1:
             raise ValueError(
                 f"structured_outputs must set exactly one of {', '.join(KINDS)}, got {', '.join(set_) or 'none'}"
             )
+        kind = set_[0]
+        value = getattr(self, kind)
+        if kind == "json" or kind == "structural_tag":
+            text = _canonical_json(value, kind)
+        elif kind == "json_object":
+            if value is not True:
+                raise ValueError(f"structured_outputs.json_object must be true or false, got {value!r:.80}")
+            text = JSON_OBJECT_SCHEMA
+        elif kind == "choice":
+            choices = _check_choice(value)
+            object.__setattr__(self, "choice", choices)
+            # JSON string literals are valid EBNF string literals (same escapes)
+            text = "root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in choices)
+        else:
+            text = _check_text(value, kind)
+        object.__setattr__(self, "_text", text)
 
     @property
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
+    @property
+    def text(self) -> str:
+        """What xgrammar compiles: the schema's JSON text, the regex, the EBNF (a choice list is
+        turned into one), the structural tag's JSON text."""
+        return self._text
+
     def key(self) -> str:
         """A canonical text of the constraint: the cache key (equal constraints, one grammar)."""
-        value = getattr(self, self.kind)
-        if isinstance(value, str) and self.kind in ("json", "structural_tag"):
-            try:
-                value = json.loads(value)
-            except ValueError:
-                pass
-        return self.kind + ":" + json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+        return self.kind + ":" + self._text
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StructuredOutputsParams:
+        if not isinstance(d, dict):
+            raise ValueError(f"structured_outputs must be an object, got {type(d).__name__}")
         unknown = set(d) - set(KINDS)
         if unknown:
-            raise ValueError(f"structured_outputs: unknown field(s) {', '.join(sorted(unknown))}")
+            raise ValueError(
+                f"structured_outputs: unknown field(s) {', '.join(sorted(map(str, unknown)))} "
+                f"(expected exactly one of {', '.join(KINDS)})"
+            )
         return cls(**d)
 
 
 class GrammarState:
-    """One sequence's position in its grammar."""
+    """One sequence's position in its grammar. Once the matcher has accepted a stop token it is
+    terminated; a terminated state still answers ``fill`` (only the stop tokens allowed), so a
+    sequence that goes on anyway (``ignore_eos``) never fails a step."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "stop_token_ids", "restrict", "num_rejected")
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, stop_token_ids: list[int] | None = None, restrict: Any = None) -> None:
         self.matcher = matcher
+        self.stop_token_ids = list(matcher.stop_token_ids) if stop_token_ids is None else stop_token_ids
+        # a bitmask row ANDed into every mask (JSON: no tokens with control bytes); None: nothing
+        self.restrict: torch.Tensor | None = restrict
+        self.num_rejected = 0  # tokens the matcher refused (the sampler masks, so this stays 0)
 
     def accept(self, token_id: int) -> bool:
-        return bool(self.matcher.accept_token(token_id))
+        ok = bool(self.matcher.accept_token(token_id))
+        if not ok:
+            self.num_rejected += 1
+        return ok
 
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (a CPU int32 bitmask)."""
+        if self.matcher.is_terminated():
+            fill_only(bitmask, row, self.stop_token_ids)
+            return
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.restrict is not None:
+            self.apply_restrict(bitmask, row)
+
+    def apply_restrict(self, bitmask: torch.Tensor, row: int) -> None:
+        """AND ``restrict`` into ``bitmask[row]``, unless that would leave no token at all (then
+        the grammar's mask stands: a step never samples from an empty distribution)."""
+        assert self.restrict is not None
+        narrowed = bitmask[row] & self.restrict
+        if bool(narrowed.any()):
+            bitmask[row] = narrowed
+
+    def fork(self) -> GrammarState:
+        """An independent copy at the same position (``n > 1``: one state per choice)."""
+        return GrammarState(self.matcher.fork(), self.stop_token_ids, self.restrict)
+
+
+def fill_only(bitmask: torch.Tensor, row: int, token_ids: list[int]) -> None:
+    """``bitmask[row]`` allows exactly ``token_ids``."""
+    bitmask[row].zero_()
+    width = bitmask.shape[1] * 32
+    for t in token_ids:
+        if 0 <= t < width:
+            word, bit = divmod(t, 32)
+            v = int(bitmask[row, word]) | (1 << bit)
+            bitmask[row, word] = v - (1 << 32) if v >= 1 << 31 else v  # int32 storage
+
+
+def _clean_error(exc: BaseException) -> str:
+    msg = _XGR_PREFIX.sub("", str(exc)).strip().replace("\n", " ")
+    return msg if len(msg) <= MAX_ERROR_CHARS else msg[:MAX_ERROR_CHARS] + "..."
+
+
+class _Entry:
+    """A cache slot: the compiled grammar or the error, ready once ``done`` is set. Threads asking
+    for a constraint that another thread is compiling wait on it instead of compiling it again."""
+
+    __slots__ = ("done", "grammar", "error", "nbytes")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.grammar: Any = None
+        self.error: str | None = None
+        self.nbytes = 0
 
 
 class GrammarCache:
-    """Compiled grammars for one tokenizer, by constraint; thread-safe."""
+    """Compiled grammars for one tokenizer, by constraint; thread-safe.
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    A batch file usually repeats one schema thousands of times: the first request compiles it
+    (tens of milliseconds; in its own thread), the others find it. Two threads asking for the same
+    new constraint at once compile it once: the second waits for the first. An invalid constraint
+    is remembered too (its ``ValueError`` comes back at once). Entries are evicted least recently
+    used beyond ``max_entries`` or ``max_bytes``; xgrammar's own compiler cache is off, so this
+    bound is the only one."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int] | None = None,
+        max_entries: int = MAX_CACHED_GRAMMARS,
+        max_bytes: int = MAX_CACHED_BYTES,
+    ) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
         self.vocab_size = vocab_size
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=2)
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.stop_token_ids: list[int] = list(self.info.stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._compiled: OrderedDict[str, Any] = OrderedDict()
-        self.num_compiled = 0
-        self.num_hits = 0
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._bytes = 0
+        self._json_safe: torch.Tensor | None = None  # built on first use (_json_restrict)
+        self.num_compiled = 0  # constraints compiled successfully
+        self.num_errors = 0  # constraints that failed to compile
+        self.num_hits = 0  # requests served from the cache (or from another thread's compile)
+        self.compile_seconds = 0.0
+
+    def stats(self) -> dict[str, int | float]:
+        with self._lock:
+            return {
+                "num_compiled": self.num_compiled,
+                "num_errors": self.num_errors,
+                "num_hits": self.num_hits,
+                "num_cached": len(self._entries),
+                "cached_bytes": self._bytes,
+                "compile_seconds": self.compile_seconds,
+            }
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """The compiled grammar of ``spec``; ``ValueError`` naming the problem if it is invalid."""
         key = spec.key()
         with self._lock:
-            hit = self._compiled.get(key)
-            if hit is not None:
-                self._compiled.move_to_end(key)
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
                 self.num_hits += 1
-                return hit
-        c = self.compiler
-        try:
-            kind = spec.kind
-            if kind == "json":
-                compiled = c.compile_json_schema(spec.json if isinstance(spec.json, str) else json.dumps(spec.json))
-            elif kind == "json_object":
-                compiled = c.compile_builtin_json_grammar()
-            elif kind == "regex":
-                compiled = c.compile_regex(spec.regex)
-            elif kind == "choice":
-                alts = " | ".join(json.dumps(s) for s in spec.choice or ())
-                compiled = c.compile_grammar(f"root ::= {alts}")
-            elif kind == "grammar":
-                compiled = c.compile_grammar(spec.grammar)
+                owner = False
             else:
-                tag = spec.structural_tag
-                compiled = c.compile_structural_tag(tag if isinstance(tag, str) else json.dumps(tag))
-        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError on bad input
-            raise ValueError(f"invalid {spec.kind.replace('_', ' ')} constraint: {exc}") from None
+                entry = self._entries[key] = _Entry()
+                owner = True
+        if owner:
+            self._fill(key, entry, spec)
+        else:
+            entry.done.wait()
+        if entry.error is not None:
+            raise ValueError(entry.error)
+        return entry.grammar
+
+    def _fill(self, key: str, entry: _Entry, spec: StructuredOutputsParams) -> None:
+        import time
+
+        start = time.perf_counter()
+        try:
+            entry.grammar = self._compile(spec)
+        except ValueError as exc:
+            entry.error = str(exc)
+        except BaseException:  # interrupted: forget the slot, and let waiters see a failure
+            entry.error = f"invalid {spec.kind} constraint: compilation was interrupted"
+            with self._lock:
+                if self._entries.get(key) is entry:
+                    del self._entries[key]
+            entry.done.set()
+            raise
+        if entry.grammar is not None:
+            entry.nbytes = int(getattr(entry.grammar, "memory_size_bytes", 0) or 0)
         with self._lock:
-            self._compiled[key] = compiled
-            self.num_compiled += 1
-            while len(self._compiled) > MAX_CACHED_GRAMMARS:
-                self._compiled.popitem(last=False)
-        return compiled
+            self.compile_seconds += time.perf_counter() - start
+            if entry.error is None:
+                self.num_compiled += 1
+            else:
+                self.num_errors += 1
+            if self._entries.get(key) is entry:  # not evicted meanwhile
+                self._bytes += entry.nbytes
+                self._evict()
+        entry.done.set()
+
+    def _evict(self) -> None:
+        """Drop the least recently used entries beyond the bounds (the newest always stays; a
+        dropped entry still being compiled finishes for the threads already waiting on it)."""
+        while len(self._entries) > 1 and (len(self._entries) > self.max_entries or self._bytes > self.max_bytes):
+            key = next(iter(self._entries))
+            victim = self._entries.pop(key)
+            self._bytes -= victim.nbytes
+
+    def _compile(self, spec: StructuredOutputsParams) -> Any:
+        c = self.compiler
+        kind, text = spec.kind, spec.text
+        try:
+            if kind in ("json", "json_object"):
+                return c.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+            if kind == "regex":
+                return c.compile_regex(text)
+            if kind in ("choice", "grammar"):
+                return c.compile_grammar(text)
+            return c.compile_structural_tag(text)
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/TypeError on bad input
+            raise ValueError(f"invalid {kind.replace('_', ' ')} constraint: {_clean_error(exc)}") from None
 
     def matcher(self, spec: StructuredOutputsParams) -> GrammarState:
-        return GrammarState(self._xgr.GrammarMatcher(self.compile(spec)))
+        """A fresh state at the start of ``spec``'s grammar (compiled, or found in the cache)."""
+        compiled = self.compile(spec)
+        restrict = self._json_restrict() if spec.kind in ("json", "json_object") else None
+        return GrammarState(self._xgr.GrammarMatcher(compiled), self.stop_token_ids, restrict)
+
+    def _json_restrict(self) -> torch.Tensor:
+        """A bitmask row allowing every token but those whose bytes hold a control character
+        (U+0000-U+001F; the stop tokens stay allowed). See the module's docstring."""
+        with self._lock:
+            if self._json_safe is None:
+                import torch
+
+                control = re.compile(rb"[\x00-\x1f]")
+                stop = set(self.stop_token_ids)
+                words = [-1] * ((self.vocab_size + 31) // 32)  # int32 words, every bit set
+                for i, piece in enumerate(self.info.decoded_vocab[: self.vocab_size]):
+                    if i not in stop and control.search(piece):
+                        w, bit = divmod(i, 32)
+                        v = (words[w] & 0xFFFFFFFF) & ~(1 << bit)
+                        words[w] = v - (1 << 32) if v >= 1 << 31 else v
+                self._json_safe = torch.tensor(words, dtype=torch.int32)
+            return self._json_safe
 
 
 _CACHES_LOCK = threading.Lock()
 
 
-def grammar_cache(owner: Any, tokenizer: Any, vocab_size: int) -> GrammarCache:
-    """The grammar cache kept on ``owner`` (the loaded model, so a rebuilt engine keeps it)."""
+def grammar_cache(owner: Any, tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | None = None) -> GrammarCache:
+    """The grammar cache kept on ``owner`` (the loaded model, so a rebuilt engine keeps it).
+    ``stop_token_ids``: the tokens that end an output (the engine's EOS ids); None: the
+    tokenizer's EOS. Only the first call's value counts (the cache is built once)."""
     with _CACHES_LOCK:
         cache = getattr(owner, "_batchery_grammars", None)
         if cache is None:
-            cache = GrammarCache(tokenizer, vocab_size)
+            cache = GrammarCache(tokenizer, vocab_size, stop_token_ids)
             object.__setattr__(owner, "_batchery_grammars", cache)
         return cache
