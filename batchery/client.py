@@ -5,6 +5,8 @@
     h = c.chat([{"role": "user", "content": "Hi"}], max_tokens=32, temperature=0, timeout=60)
     r = h.get(timeout=120)                         # ChatCompletion; r.choices[0].message.content
     hs = c.chat_many([[...], [...]], max_tokens=32)
+    c.chat(msgs, response_format={"type": "json_schema", "json_schema": {...}}, n=3)  # also tools=, tool_choice=
+    c.responses("Write a haiku", max_output_tokens=64).get().output_text
     r = await h.aget()
 
     job = c.submit_batch("input.jsonl")            # or an iterable of dicts; returns the job id
@@ -47,7 +49,8 @@ from batchery.contract.errors import (
     ResultTimeout,
     TaskExpired,
 )
-from batchery.contract.names import CHAT_TASK, COMPLETION_TASK, ENQUEUED_AT_HEADER
+from batchery.contract.names import CHAT_TASK, COMPLETION_TASK, ENQUEUED_AT_HEADER, RESPONSES_TASK
+from batchery.contract.responses import Response, ResponsesRequest
 from batchery.contract.schemas import (
     BatchJob,
     ChatCompletion,
@@ -195,16 +198,47 @@ class Client:
 
     # -- single requests ------------------------------------------------------------------------
     def chat(
-        self, messages: list[dict], *, timeout: float | None = None, expires: float | datetime | None = None, **params
+        self,
+        messages: list[dict],
+        *,
+        response_format: dict | None = None,
+        n: int | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        logit_bias: dict[str | int, float] | None = None,
+        timeout: float | None = None,
+        expires: float | datetime | None = None,
+        **params,
     ) -> Handle:
-        """Enqueue a chat completion. ``params`` are the OpenAI body fields (max_tokens, temperature,
-        ...). ``timeout`` is the task's deadline in seconds (default: the worker's
-        BATCHERY_TASK_TIMEOUT), counted from when a worker starts an attempt; an attempt retried
-        after an engine failure gets a fresh deadline. ``expires`` (seconds from now, or a datetime)
-        drops the task if no worker has started it by then."""
-        return self._send(
-            CHAT_TASK, ChatCompletionRequest, ChatCompletion, {"messages": messages, **params}, timeout, expires
-        )
+        """Enqueue a chat completion. The keyword arguments are the OpenAI body fields
+        (``max_tokens``, ``temperature``, ``seed``, ..., and vLLM's ``structured_outputs`` /
+        ``guided_*``); those named here are the ones worth knowing: ``response_format``
+        (``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name",
+        "schema", "strict"}}``), ``n`` choices, ``tools`` and ``tool_choice`` (``"auto"``,
+        ``"none"``, ``"required"`` or ``{"type": "function", "function": {"name": ...}}``), and
+        ``logit_bias`` (token id to -100..100). ``timeout`` is the task's deadline in seconds
+        (default: the worker's BATCHERY_TASK_TIMEOUT), counted from when a worker starts an
+        attempt; an attempt retried after an engine failure gets a fresh deadline. ``expires``
+        (seconds from now, or a datetime) drops the task if no worker has started it by then."""
+        named = dict(response_format=response_format, n=n, tools=tools, tool_choice=tool_choice)
+        if logit_bias is not None:
+            named["logit_bias"] = {str(k): v for k, v in logit_bias.items()}  # JSON keys, as OpenAI sends them
+        body = {"messages": messages, **{k: v for k, v in named.items() if v is not None}, **params}
+        return self._send(CHAT_TASK, ChatCompletionRequest, ChatCompletion, body, timeout, expires)
+
+    def responses(
+        self,
+        input: str | list[dict],
+        *,
+        timeout: float | None = None,
+        expires: float | datetime | None = None,
+        **fields,
+    ) -> Handle:
+        """Enqueue an OpenAI Responses request: ``input`` is a string or a list of messages; the
+        other fields are the body's (``instructions``, ``max_output_tokens``, ``temperature``,
+        ``top_p``, ``text={"format": {...}}``, ``tools``, ``tool_choice``, ...). ``get`` returns a
+        ``Response`` (``output``, ``output_text``, ``usage``, ``status``)."""
+        return self._send(RESPONSES_TASK, ResponsesRequest, Response, {"input": input, **fields}, timeout, expires)
 
     def complete(
         self,

@@ -1,6 +1,7 @@
 """``batchery.batch_line``: run one line of a batch job and store its record, exactly once.
 
-Thin, like the chat tasks it reuses (``batchery.tasks.chat.run_chat`` / ``run_completion``):
+Thin, like the chat tasks it reuses (``batchery.tasks.chat.run_chat`` / ``run_completion`` /
+``run_responses``):
 
 0. check the message (``batchery.tasks.messages``): one that is none of ours (a line the job never
    queued, a custom_id out of bounds, ...) is logged and dead-lettered and never touches the job;
@@ -25,18 +26,18 @@ import logging
 from celery.exceptions import Reject, Retry
 
 from batchery.broker.connection import is_redis_url, retry_through_outage
-from batchery.contract.batch import CHAT_URL, COMPLETIONS_URL, error_record, output_record
+from batchery.contract.batch import CHAT_URL, COMPLETIONS_URL, RESPONSES_URL, error_record, output_record
 from batchery.contract.errors import BatcheryError, InvalidRequest, RequestCancelled
 from batchery.contract.outcomes import LineOutcome, Outcome
 from batchery.jobs.deadletter import INVALID_MESSAGE, short
 from batchery.jobs.store import LEASE_GRACE_S, JobStore
 from batchery.tasks import messages, redelivery
-from batchery.tasks.chat import resolve_timeout, run_chat, run_completion
+from batchery.tasks.chat import resolve_timeout, run_chat, run_completion, run_responses
 from batchery.tasks.stores import job_store
 
 log = logging.getLogger("batchery.batch")
 
-RUNNERS = {CHAT_URL: run_chat, COMPLETIONS_URL: run_completion}
+RUNNERS = {CHAT_URL: run_chat, COMPLETIONS_URL: run_completion, RESPONSES_URL: run_responses}
 REDIS_ATTEMPTS = 5  # 0.5 + 1 + 2 + 4 s of backoff before a Redis outage fails the task
 
 
@@ -88,15 +89,15 @@ def batch_line(
             request_id=self.request.id,
         )
         return _store(store, job, line, record, Outcome.INTERNAL_ERROR)
-    usage = response.get("usage") or {}
+    usage = response.get("usage") or {}  # a Response counts input and output tokens
     return _store(
         store,
         job,
         line,
         output_record(job, line, custom_id, self.request.id, response),
         Outcome.SUCCESS,
-        usage.get("prompt_tokens", 0),
-        usage.get("completion_tokens", 0),
+        usage.get("prompt_tokens", usage.get("input_tokens", 0)),
+        usage.get("completion_tokens", usage.get("output_tokens", 0)),
     )
 
 

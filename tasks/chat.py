@@ -1,8 +1,9 @@
 """The Celery task functions. Thin, like web views: validate, submit, wait, shape.
 
-They are registered by ``batchery.worker.app.make_app`` as ``batchery.chat_completion`` and
-``batchery.completion``. At run time they find the process's engine service and settings on the
-app (``app.batchery_service``, ``app.batchery_settings``), set by the worker entry point.
+They are registered by ``batchery.worker.app.make_app`` as ``batchery.chat_completion``,
+``batchery.completion`` and ``batchery.responses``. At run time they find the process's engine
+service and settings on the app (``app.batchery_service``, ``app.batchery_settings``), set by the
+worker entry point.
 
 Error policy:
 - a bad body (or a prompt the engine refuses) -> ``InvalidRequest``, never retried;
@@ -32,7 +33,8 @@ from batchery.contract.errors import (
     EngineUnavailable,
     InvalidRequest,
 )
-from batchery.contract.generation import GenerationRequest, GenerationResult
+from batchery.contract.generation import GenerationChoice, GenerationRequest, GenerationResult, LogprobEntry
+from batchery.contract.responses import ResponsesRequest, response_from_chat
 from batchery.contract.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -51,6 +53,7 @@ from batchery.contract.schemas import (
     check_timeout,
     describe_validation_error,
 )
+from batchery.contract.tools import parse_tool_calls, tool_call_constraint
 from batchery.tasks import quarantine, redelivery
 
 
@@ -64,6 +67,11 @@ def completion(self, body: dict, timeout: float | None = None) -> dict:
     return run_completion(self, body, timeout)
 
 
+def responses(self, body: dict, timeout: float | None = None) -> dict:
+    """OpenAI Responses body in, ``Response`` (as a dict) out."""
+    return run_responses(self, body, timeout)
+
+
 def run_chat(
     task, body: dict, timeout: float | None = None, *, priority: int = 0, cancelled: Callable[[], bool] | None = None
 ) -> dict:
@@ -71,11 +79,29 @@ def run_chat(
     by the chat task and the batch-line task; ``cancelled`` is polled while waiting (batch jobs)."""
     started = time.time()
     req = _validate(ChatCompletionRequest, body)
-    gen = GenerationRequest(messages=req.engine_messages(), sampling=req.sampling(), priority=priority)
-    result = _generate(task, gen, timeout, cancelled)
+    result = _generate(task, chat_generation(req, priority), timeout, cancelled)
     return shape_chat(
         req, result, task.request.id, task.app.batchery_settings.model, started, task.request.retries or 0
     ).model_dump(mode="json")
+
+
+def run_responses(
+    task, body: dict, timeout: float | None = None, *, priority: int = 0, cancelled: Callable[[], bool] | None = None
+) -> dict:
+    """``run_chat`` for a Responses API body: it is run as the chat completion it amounts to
+    (``ResponsesRequest.to_chat``) and that completion is reshaped as a ``Response``."""
+    started = time.time()
+    rreq = _validate(ResponsesRequest, body)
+    try:
+        req = rreq.to_chat()
+    except ValidationError as exc:
+        raise InvalidRequest(describe_validation_error(exc)) from None
+    except ValueError as exc:
+        raise InvalidRequest(f"invalid request body: {exc}") from None
+    result = _generate(task, chat_generation(req, priority), timeout, cancelled)
+    model = task.app.batchery_settings.model
+    chat = shape_chat(req, result, task.request.id, model, started, task.request.retries or 0)
+    return response_from_chat(chat, response_id=f"resp_{task.request.id}", created_at=started, model=model, req=rreq)
 
 
 def run_completion(
@@ -95,6 +121,29 @@ def run_completion(
 
 
 # -- the steps ------------------------------------------------------------------------------------
+def chat_generation(req: ChatCompletionRequest, priority: int = 0) -> GenerationRequest:
+    """What the engine service is asked for a chat request: its messages and tools for the chat
+    template, and its sampling. With ``tool_choice`` ``"required"`` or a named function, the
+    output is constrained to tool calls (``batchery.contract.tools.tool_call_constraint``); that
+    constraint wins over a ``response_format`` (or vLLM constraint) of the same request, as the
+    answer is then a call, and ``response_format`` shapes only a text answer."""
+    sampling = req.sampling()
+    tools = req.engine_tools()
+    try:
+        choice = req.engine_tool_choice()
+        constraint = tool_call_constraint(tools, choice, parallel=req.parallel_tool_calls is not False)
+    except ValueError as exc:
+        raise InvalidRequest(f"invalid request body: tool_choice: {exc}") from None
+    if constraint is not None:
+        sampling["structured_outputs"] = {"structural_tag": constraint}
+    return GenerationRequest(messages=req.engine_messages(), tools=tools, sampling=sampling, priority=priority)
+
+
+def _parses_tool_calls(req: ChatCompletionRequest) -> bool:
+    """Whether the output is read for tool calls: the request has tools and did not say ``none``."""
+    return bool(req.tools) and req.engine_tool_choice() != "none"
+
+
 def _validate(schema: type[BaseModel], body):
     if not isinstance(body, dict):
         raise InvalidRequest(f"invalid request body: expected a JSON object, got {type(body).__name__}")
@@ -146,11 +195,18 @@ def max_held(deadline: float, settings) -> float:
 
 
 # -- shaping ------------------------------------------------------------------------------------
+def _choices(r: GenerationResult) -> list[GenerationChoice]:
+    """The result's choices (a result without them is its one choice)."""
+    return r.choices or [GenerationChoice(0, r.text, r.token_ids, r.finish_reason, r.logprobs)]
+
+
 def _usage(r: GenerationResult) -> Usage:
+    """The prompt counts once, however many choices share it; completion tokens are summed over them."""
+    completion = sum(len(c.token_ids) for c in _choices(r))
     return Usage(
         prompt_tokens=r.num_prompt_tokens,
-        completion_tokens=len(r.token_ids),
-        total_tokens=r.num_prompt_tokens + len(r.token_ids),
+        completion_tokens=completion,
+        total_tokens=r.num_prompt_tokens + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=r.num_cached_tokens),
     )
 
@@ -165,59 +221,86 @@ def _bytes(s: str) -> list[int]:
     return list(s.encode("utf-8", errors="replace"))
 
 
+def _chat_logprobs(req: ChatCompletionRequest, entries: list[LogprobEntry] | None) -> ChoiceLogprobs | None:
+    if entries is None:
+        return None
+    return ChoiceLogprobs(
+        content=[
+            TokenLogprob(
+                token=e["token"],
+                logprob=e["logprob"],
+                bytes=_bytes(e["token"]),
+                top_logprobs=[
+                    TopLogprob(token=t["token"], logprob=t["logprob"], bytes=_bytes(t["token"]))
+                    for t in e["top"][: req.top_logprobs or 0]
+                ],
+            )
+            for e in entries
+        ]
+    )
+
+
+def _chat_choice(req: ChatCompletionRequest, c: GenerationChoice, tools: bool) -> ChatChoice:
+    """One choice; with ``tools``, its ``<tool_call>`` blocks become ``message.tool_calls`` and a
+    choice that stopped after calling has ``finish_reason`` ``"tool_calls"`` (one cut off by
+    ``max_tokens`` keeps ``"length"``, its complete calls parsed)."""
+    content: str | None = c.text
+    finish = c.finish_reason
+    message = AssistantMessage(content=content)
+    if tools:
+        content, calls = parse_tool_calls(c.text)
+        if calls:
+            message = AssistantMessage(content=content, tool_calls=calls)
+            if finish == "stop":
+                finish = "tool_calls"
+    return ChatChoice(index=c.index, message=message, finish_reason=finish, logprobs=_chat_logprobs(req, c.logprobs))
+
+
 def shape_chat(
     req: ChatCompletionRequest, r: GenerationResult, task_id: str, model: str, started: float, attempt: int = 0
 ) -> ChatCompletion:
-    logprobs = None
-    if r.logprobs is not None:
-        logprobs = ChoiceLogprobs(
-            content=[
-                TokenLogprob(
-                    token=e["token"],
-                    logprob=e["logprob"],
-                    bytes=_bytes(e["token"]),
-                    top_logprobs=[
-                        TopLogprob(token=t["token"], logprob=t["logprob"], bytes=_bytes(t["token"]))
-                        for t in e["top"][: req.top_logprobs or 0]
-                    ],
-                )
-                for e in r.logprobs
-            ]
-        )
+    tools = _parses_tool_calls(req)
     return ChatCompletion(
         id=f"chatcmpl-{task_id}",
         created=int(started),
         model=model,
-        choices=[
-            ChatChoice(
-                index=0, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason, logprobs=logprobs
-            )
-        ],
+        choices=[_chat_choice(req, c, tools) for c in _choices(r)],
         usage=_usage(r),
         timing=_timing(r, started, attempt),
+    )
+
+
+def _completion_logprobs(req: CompletionRequest, entries: list[LogprobEntry] | None) -> CompletionLogprobs | None:
+    if entries is None:
+        return None
+    offsets, pos = [], 0
+    for e in entries:
+        offsets.append(pos)
+        pos += len(e["token"])
+    return CompletionLogprobs(
+        tokens=[e["token"] for e in entries],
+        token_logprobs=[e["logprob"] for e in entries],
+        top_logprobs=[{t["token"]: t["logprob"] for t in e["top"][: req.logprobs or 0]} for e in entries],
+        text_offset=offsets,
     )
 
 
 def shape_completion(
     req: CompletionRequest, r: GenerationResult, task_id: str, model: str, started: float, attempt: int = 0
 ) -> Completion:
-    logprobs = None
-    if r.logprobs is not None:
-        offsets, pos = [], 0
-        for e in r.logprobs:
-            offsets.append(pos)
-            pos += len(e["token"])
-        logprobs = CompletionLogprobs(
-            tokens=[e["token"] for e in r.logprobs],
-            token_logprobs=[e["logprob"] for e in r.logprobs],
-            top_logprobs=[{t["token"]: t["logprob"] for t in e["top"][: req.logprobs or 0]} for e in r.logprobs],
-            text_offset=offsets,
-        )
     return Completion(
         id=f"cmpl-{task_id}",
         created=int(started),
         model=model,
-        choices=[CompletionChoice(index=0, text=r.text, finish_reason=r.finish_reason, logprobs=logprobs)],
+        choices=[
+            CompletionChoice(
+                index=c.index,
+                text=c.text,
+                finish_reason=c.finish_reason,
+                logprobs=_completion_logprobs(req, c.logprobs),
+            )
+            for c in _choices(r)
+        ],
         usage=_usage(r),
         timing=_timing(r, started, attempt),
     )

@@ -7,7 +7,7 @@ from celery import Celery
 
 from batchery.broker.celery_app import make_celery
 from batchery.contract.errors import DeadlineExceeded, EngineCrash, InvalidRequest
-from batchery.contract.names import BATCH_LINE_TASK, CHAT_TASK, COMPLETION_TASK
+from batchery.contract.names import BATCH_LINE_TASK, CHAT_TASK, COMPLETION_TASK, RESPONSES_TASK
 from batchery.contract.settings import Settings
 from batchery.tasks import batch_line, chat
 
@@ -27,6 +27,7 @@ def make_app(settings: Settings | None = None) -> Celery:
     )
     app.task(name=CHAT_TASK, **common)(chat.chat_completion)
     app.task(name=COMPLETION_TASK, **common)(chat.completion)
+    app.task(name=RESPONSES_TASK, **common)(chat.responses)
     # a batch line's outcome is its record in the job (batchery.jobs.store), not a Celery result
     app.task(name=BATCH_LINE_TASK, **{**common, "throws": ()}, ignore_result=True)(batch_line.batch_line)
     app.batchery_service = None

@@ -9,8 +9,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 # Celery task names (the wire contract between clients and workers)
 CHAT_TASK = "batchery.chat_completion"
 COMPLETION_TASK = "batchery.completion"
+RESPONSES_TASK = "batchery.responses"  # OpenAI Responses API bodies (/v1/responses)
 BATCH_LINE_TASK = "batchery.batch_line"
-TASK_NAMES = (CHAT_TASK, COMPLETION_TASK, BATCH_LINE_TASK)
+TASK_NAMES = (CHAT_TASK, COMPLETION_TASK, RESPONSES_TASK, BATCH_LINE_TASK)
 
 QUEUE_PREFIX = "batchery."  # the default queue of a model is QUEUE_PREFIX + its name
 ENQUEUED_AT_HEADER = "batchery_enqueued_at"  # message header: the publisher's time.time() at enqueue
