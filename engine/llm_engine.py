@@ -89,7 +89,7 @@ class LLMEngine:
     def grammars(self) -> GrammarCache:
         """Compiled structured-output grammars, kept on the loaded model (a rebuilt engine keeps
         them). Thread-safe: the engine service compiles in its callers' threads, off the loop."""
-        return grammar_cache(self.loaded, self.tokenizer, self.runner.vocab_size)
+        return grammar_cache(self.loaded, self.tokenizer, self.runner.vocab_size, self.eos_ids)
 
     # -- tokenization ----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

@@ -28,6 +28,8 @@ class StopChecker:
 
     def check(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            return STOP_TOKEN  # the grammar accepted its stop token: the output is complete (even with ignore_eos)
         # the sampler bans stop tokens until min_tokens, so any stop token here ends the request
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
             return STOP_TOKEN
