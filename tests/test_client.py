@@ -38,13 +38,53 @@ def test_client_defaults_come_from_settings(monkeypatch):
 def test_invalid_requests_fail_before_anything_is_enqueued(session_workers):
     q = session_workers.new_queue()
     c = session_workers.client(q)
-    with pytest.raises(InvalidRequest, match="n must be 1"):
-        c.chat(HI, n=2)
+    with pytest.raises(InvalidRequest, match="n must be from 1 to 16, got 17"):
+        c.chat(HI, n=17)
+    with pytest.raises(InvalidRequest, match="tool_choice is only allowed when tools are specified"):
+        c.chat(HI, tool_choice="required")
+    with pytest.raises(InvalidRequest, match="response_format"):
+        c.chat(HI, response_format={"type": "xml"})
+    with pytest.raises(InvalidRequest, match="max_output_tokens"):
+        c.responses("hello world", max_output_tokens=0)
     with pytest.raises(InvalidRequest, match=r"request body #1: messages"):
         c.chat_many([HI, []])  # all or nothing: #0 is not enqueued either
     with pytest.raises(InvalidRequest, match="timeout"):
         c.complete("x", timeout=0)
     assert redis_client(c.settings.broker_url).llen(q) == 0
+    c.close()
+
+
+def test_chat_and_responses_send_the_openai_fields(session_workers):
+    import base64
+    import json
+
+    q = session_workers.new_queue()
+    c = session_workers.client(q)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    c.chat(
+        HI,
+        response_format={"type": "json_object"},
+        n=2,
+        tools=tools,
+        tool_choice="none",
+        logit_bias={5: -100, "7": 2.5},
+        max_tokens=4,
+    )
+    c.responses("hello world", instructions="be brief", max_output_tokens=8)
+    r = redis_client(c.settings.broker_url)
+    sent = [json.loads(m) for m in reversed(r.lrange(q, 0, -1))]  # kombu pushes on the left
+    assert [m["headers"]["task"] for m in sent] == ["batchery.chat_completion", "batchery.responses"]
+    bodies = [json.loads(base64.b64decode(m["body"]))[1]["body"] for m in sent]
+    assert bodies[0] == {
+        "messages": HI,
+        "response_format": {"type": "json_object"},
+        "n": 2,
+        "tools": tools,
+        "tool_choice": "none",
+        "logit_bias": {"5": -100, "7": 2.5},  # JSON keys, as OpenAI sends them
+        "max_tokens": 4,
+    }
+    assert bodies[1] == {"input": "hello world", "instructions": "be brief", "max_output_tokens": 8}
     c.close()
 
 

@@ -133,6 +133,8 @@ def test_required_forces_one_or_more_calls_matching_the_schemas(compiler):
     assert not accepts(compiler, d, call("get_weather", '{"city": "Paris"}'))  # a required argument missing
     assert not accepts(compiler, d, call("get_weather", '{"city": "Paris", "days": 9}'))  # out of range
     assert not accepts(compiler, d, call("get_weather", '{"city": 5, "days": 1}'))
+    assert accepts(compiler, d, call("get_weather", '{ "city": "Paris" ,"days": 3 }'))
+    assert not accepts(compiler, d, call("get_weather", '{\n    "city": "Paris", "days": 3}'))  # no runs of whitespace
     single = tool_call_constraint(TOOLS, "required", parallel=False)
     assert accepts(compiler, single, good) and not accepts(compiler, single, good + "\n" + good)
 

@@ -26,8 +26,11 @@ and without tools, and then puts ``tools_system_prompt(tools)`` into the system 
 earlier assistant calls as ``<tool_call>`` blocks and ``tool`` messages as user turns wrapped in
 ``<tool_response>``. So every model is taught this one format, and with ``tool_choice``
 ``"required"`` or a named function the output is constrained to it (``tool_call_constraint``):
-the call is then guaranteed well-formed and its arguments match the tool's ``parameters`` schema,
-whatever the model knows of tools. With ``"auto"`` it is only asked for; a small model without
+the call is then guaranteed well-formed and its arguments match the tool's ``parameters`` schema
+(written compactly: at most one whitespace character in a row between JSON tokens), whatever the
+model knows of tools. With ``"required"`` and parallel calls allowed, a model may go on calling
+until ``max_tokens``: its complete calls are parsed, the choice ends ``"length"``; send
+``parallel_tool_calls: false`` for exactly one call. With ``"auto"`` it is only asked for; a small model without
 tool training may or may not answer with a call."""
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ ARGUMENTS_BEGIN = '", "arguments": '
 CALL_END = "}\n" + TOOL_CALL_CLOSE
 CALL_SEPARATOR = "\n"  # between consecutive calls
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}  # a tool without a parameters schema
+# whitespace allowed in a row between the arguments' JSON tokens: one, as models trained on calls write
+# them (small models otherwise drift into runs of newlines and indentation, or loop on them)
+MAX_ARGUMENTS_WHITESPACE = 1
 
 _BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 
@@ -91,7 +97,11 @@ def _call_tag(tool: dict[str, Any]) -> dict[str, Any]:
     return {
         "type": "tag",
         "begin": CALL_BEGIN + str(fn["name"]) + ARGUMENTS_BEGIN,
-        "content": {"type": "json_schema", "json_schema": params if params else NO_PARAMETERS},
+        "content": {
+            "type": "json_schema",
+            "json_schema": params if params else NO_PARAMETERS,
+            "max_whitespace_cnt": MAX_ARGUMENTS_WHITESPACE,
+        },
         "end": CALL_END,
     }
 
