@@ -125,7 +125,9 @@ def test_deadline_aborts_the_request_and_frees_its_kv_blocks(tiny_client, tiny_w
 @pytest.mark.parametrize(
     "kwargs, needle",
     [
-        ({"body": {"messages": HI, "n": 2}}, "n must be 1"),
+        ({"body": {"messages": HI, "n": 17}}, "n must be from 1 to 16"),
+        # schema-valid, but no grammar compiles from it: refused in the task's thread, before any engine step
+        ({"body": {"messages": HI, "guided_json": {"type": "nonsense"}}}, "invalid json constraint"),
         ({"body": {"messages": HI, "temperature": "hot"}}, "temperature"),
         ({"body": "not an object"}, "expected a JSON object"),
         ({"body": {"messages": HI}, "timeout": -1}, "timeout must be a positive number"),
