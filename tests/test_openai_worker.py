@@ -59,6 +59,22 @@ def test_an_invalid_constraint_is_refused_at_submit_before_any_step(service, con
     assert service.generate(chat(), 30).token_ids  # the engine goes on
 
 
+def test_a_tool_schema_no_grammar_compiles_from_is_refused_naming_the_tools(service):
+    from batchery.contract.schemas import ChatCompletionRequest
+    from batchery.tasks.chat import chat_generation
+
+    bad = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
+    req = ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "hello world"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": bad}}],
+            "tool_choice": "required",
+        }
+    )
+    with pytest.raises(InvalidRequest, match=r"nonsense.*built from the tools' parameters schemas"):
+        service.submit(chat_generation(req))
+
+
 def test_a_constraint_is_compiled_in_the_callers_thread(service):
     before = grammars(service).num_compiled
     spec = {"choice": ["yes", "no"]}  # whole words: the tiny tokenizer has no spaces inside its tokens

@@ -161,7 +161,12 @@ class EngineService:
                 raise ValueError(f"structured_outputs must be an object, got {type(spec).__name__}")
             engine.grammars.compile(spec)
         except (ValueError, TypeError) as exc:
-            raise InvalidRequest(str(exc)) from None
+            why = str(exc)
+            if isinstance(spec, StructuredOutputsParams) and spec.kind == "structural_tag":
+                why += (
+                    " (with tool_choice required or a named function, it is built from the tools' parameters schemas)"
+                )
+            raise InvalidRequest(why) from None
 
     def abort(self, request_id: str) -> bool:
         """Abort a request: its future is dropped and the loop frees its KV blocks. False if it had
