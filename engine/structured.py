@@ -16,7 +16,10 @@ and a small model (SmolLM2-135M here) readily spends its whole ``max_tokens`` on
 without ever closing the object -- vLLM added ``disable_any_whitespace`` for the same loop. A cap
 (``max_whitespace_cnt``) only shortens each run of whitespace; the fixed layout removes the
 choice, so every sampled token advances the document. The parsed value is what matters to a
-caller; its formatting is not part of any schema.
+caller; its formatting is not part of any schema. Measured on the real SmolLM2, greedy, the 50
+extraction lines of benchmarks/structured_workload.py at max_tokens 256: fixed layout 50/50 end
+with ``stop`` (all valid, 4,938 tokens); any whitespace 47/50 (three spent the budget on spaces);
+a cap of one whitespace 50/50 but with stray spaces and worse values (``"100g eggs}, {"``).
 
 Schemas and ``strict``. OpenAI's ``strict: true`` promises that the output matches the schema
 exactly; without it the model only tries. Here every schema is enforced, with xgrammar's
@@ -274,6 +277,8 @@ class GrammarCache:
     ) -> None:
         import xgrammar as xgr
 
+        if tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer, and this engine runs without one")
         self._xgr = xgr
         self.vocab_size = vocab_size
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
@@ -319,6 +324,8 @@ class GrammarCache:
             entry.done.wait()
         if entry.error is not None:
             raise ValueError(entry.error)
+        if spec.kind in ("json", "json_object") and self._json_safe is None:
+            self._json_restrict()  # built here, in the compiling thread, not in the loop's matcher()
         return entry.grammar
 
     def _fill(self, key: str, entry: _Entry, spec: StructuredOutputsParams) -> None:
@@ -379,7 +386,8 @@ class GrammarCache:
 
     def _json_restrict(self) -> torch.Tensor:
         """A bitmask row allowing every token but those whose bytes hold a control character
-        (U+0000-U+001F; the stop tokens stay allowed). See the module's docstring."""
+        (U+0000-U+001F; the stop tokens stay allowed). See the module's docstring. Built once per
+        cache (about 0.2 s for 49k tokens, mostly reading xgrammar's decoded vocabulary)."""
         with self._lock:
             if self._json_safe is None:
                 import torch
