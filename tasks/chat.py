@@ -126,12 +126,14 @@ def chat_generation(req: ChatCompletionRequest, priority: int = 0) -> Generation
     template, and its sampling. With ``tool_choice`` ``"required"`` or a named function, the
     output is constrained to tool calls (``batchery.contract.tools.tool_call_constraint``); that
     constraint wins over a ``response_format`` (or vLLM constraint) of the same request, as the
-    answer is then a call, and ``response_format`` shapes only a text answer."""
+    answer is then a call, and ``response_format`` shapes only a text answer. A forced call is one
+    call unless ``parallel_tool_calls`` is true: given the choice, a small model keeps calling
+    until ``max_tokens`` (seen with SmolLM2), so several calls are allowed only when asked for."""
     sampling = req.sampling()
     tools = req.engine_tools()
     try:
         choice = req.engine_tool_choice()
-        constraint = tool_call_constraint(tools, choice, parallel=req.parallel_tool_calls is not False)
+        constraint = tool_call_constraint(tools, choice, parallel=req.parallel_tool_calls is True)
     except ValueError as exc:
         raise InvalidRequest(f"invalid request body: tool_choice: {exc}") from None
     if constraint is not None:

@@ -242,3 +242,19 @@ def test_with_tool_support_tools_and_history_go_to_the_template():
     assert text.startswith("<|im_start|>system tools: get_weather get_time <|im_end|>")
     assert 'call get_weather {"city": "Paris", "days": 1}' in text and "<|im_start|>tool sunny" in text
     assert "<tool_call>" not in text and "# Tools" not in text
+
+
+@pytest.mark.parametrize(("parallel", "one_call"), [(None, True), (False, True), (True, False)])
+def test_a_forced_call_is_one_call_unless_parallel_calls_are_asked_for(parallel, one_call):
+    """tool_choice "required": one call by default (a small model offered more keeps calling until
+    max_tokens); several only with parallel_tool_calls true."""
+    from batchery.contract.schemas import ChatCompletionRequest
+    from batchery.tasks.chat import chat_generation
+
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS, "tool_choice": "required"}
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
+    gen = chat_generation(ChatCompletionRequest.model_validate(body))
+    tag = gen.sampling["structured_outputs"]["structural_tag"]
+    assert tag["format"]["stop_after_first"] is one_call
+    assert gen.tools == ChatCompletionRequest.model_validate(body).engine_tools()
