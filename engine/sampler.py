@@ -11,6 +11,7 @@ knows (biases, banned tokens) goes to the device as one flattened tensor and lan
 from __future__ import annotations
 
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +26,18 @@ if TYPE_CHECKING:
 # constrained rows and cores to spare (measured: see _fill_grammar_masks)
 BATCH_FILL_MIN_ROWS = 64
 BATCH_FILL_MIN_CPUS = 8
+
+
+_BIT_TABLE: torch.Tensor | None = None
+
+
+def _bit_table() -> torch.Tensor:
+    """[256, 8] bool: the bits of each byte, lowest first (a little-endian int32 bitmask viewed as
+    bytes unpacks to token order)."""
+    global _BIT_TABLE
+    if _BIT_TABLE is None:
+        _BIT_TABLE = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).to(torch.bool)
+    return _BIT_TABLE
 
 
 class Sampler:
@@ -140,46 +153,67 @@ class Sampler:
         return bm
 
     def _fill_grammar_masks(self, bitmask: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
-        """Write row ``i`` of ``bitmask`` for each constrained row ``i``. One row costs about 3-4 us
-        on the CPU (SmolLM2's 49k vocabulary; a terminated matcher allows only its stop tokens).
-        xgrammar's batched fill runs the rows on a thread pool; measured, it only wins with many
-        rows and several free cores (see BATCH_FILL_MIN_ROWS), so below that the rows are filled
-        one by one."""
-        states: list[GrammarState] = []
+        """Write row ``i`` of ``bitmask`` for each constrained row ``i``: the grammar's allowed
+        tokens, narrowed by the state's ``restrict`` row (JSON: no control bytes) for all rows at
+        once. One row's fill costs about 4 us on the CPU (SmolLM2's 49k vocabulary). xgrammar's
+        batched fill runs the rows on a thread pool; on 2 cores it was slower at every batch size
+        (128 rows: 4.1 us/row against 3.5 us/row one by one), so it is used only with many rows
+        and at least BATCH_FILL_MIN_CPUS cores."""
+        live: list[tuple[int, GrammarState]] = []
         for i in rows:
             g = seqs[i].grammar
             assert g is not None
-            states.append(g)
-        if self._batch_fill_threads and len(rows) >= BATCH_FILL_MIN_ROWS:
+            if g.is_terminated():
+                g.fill(bitmask, i)  # only its stop tokens
+            else:
+                live.append((i, g))
+        if not live:
+            return
+        if self._batch_fill_threads and len(live) >= BATCH_FILL_MIN_ROWS:
             import xgrammar as xgr
 
             if self._batch_matcher is None:
                 self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=self._batch_fill_threads)
-            live = [(i, g) for i, g in zip(rows, states) if not g.is_terminated()]
-            for i, g in zip(rows, states):
-                if g.is_terminated():
-                    g.fill(bitmask, i)
             self._batch_matcher.batch_fill_next_token_bitmask(
                 [g.matcher for _, g in live], bitmask, [i for i, _ in live]
             )
+        else:
             for i, g in live:
-                if g.restrict is not None:
-                    g.apply_restrict(bitmask, i)
-            return
-        for i, g in zip(rows, states):
-            g.fill(bitmask, i)
+                g.matcher.fill_next_token_bitmask(bitmask, i)
+        groups: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        for i, g in live:
+            if g.restrict is not None:
+                groups.setdefault(id(g.restrict), (g.restrict, []))[1].append(i)
+        for restrict, idxs in groups.values():
+            idx = torch.tensor(idxs)
+            words = bitmask[idx]
+            narrowed = words & restrict
+            # a row the restriction would leave empty keeps the grammar's mask (never sample from nothing)
+            bitmask[idx] = torch.where(narrowed.ne(0).any(dim=1, keepdim=True), narrowed, words)
 
     def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
         """Mask the constrained rows' logits (in place) to the tokens their grammars allow; the
-        other rows are neither filled, copied nor read."""
+        other rows are neither filled, copied nor read. On CUDA, xgrammar's Triton kernel applies
+        the bitmask (copied from pinned memory); on the CPU a byte lookup table unpacks it, about
+        twice as fast as xgrammar's CPU kernel (65 against 135 us per row of 49k tokens)."""
+        vocab = logits.shape[1]
+        bitmask = self._bitmask_rows(len(seqs), vocab)
+        self._fill_grammar_masks(bitmask, seqs, rows)
+        if logits.device.type == "cpu" and sys.byteorder == "little":
+            idx = torch.tensor(rows)
+            allowed = _bit_table()[bitmask[idx].view(torch.uint8).long()].view(len(rows), -1)[:, :vocab]
+            neg_inf = logits.new_full((), float("-inf"))
+            if len(rows) == logits.shape[0]:
+                torch.where(allowed, logits, neg_inf, out=logits)
+            else:
+                logits.index_copy_(0, idx, torch.where(allowed, logits[idx], neg_inf))
+            return
         import xgrammar as xgr
 
-        bitmask = self._bitmask_rows(len(seqs), logits.shape[1])
-        self._fill_grammar_masks(bitmask, seqs, rows)
         mask = bitmask[: len(seqs)]
         if logits.device.type != "cpu":
             mask = mask.to(logits.device, non_blocking=True)  # pinned; the step's sync comes after
-        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=rows)
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows)
 
     @staticmethod
     def _ban_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> torch.Tensor:

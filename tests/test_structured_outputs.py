@@ -413,6 +413,37 @@ def test_a_terminated_state_allows_only_stop_tokens_and_never_raises(cache, toke
     assert copy.accept(tokenizer.encode("yes", add_special_tokens=False)[0])  # independent positions
 
 
+def test_the_cpu_mask_equals_xgrammars_kernel(cache, llm):
+    """The sampler's CPU path unpacks the bitmask with a byte table; xgrammar's own kernel (what
+    CUDA runs, as Triton) is the reference: the same logits come out, other rows untouched."""
+    import xgrammar as xgr
+
+    from batchery.engine.sampler import Sampler
+    from batchery.engine.sequence import Sequence
+
+    vocab = llm.engine.runner.vocab_size
+    specs = [StructuredOutputsParams(json=SCHEMAS[k]) for k in SCHEMAS] + [StructuredOutputsParams(regex="[0-9]+")]
+
+    def seq(i: int, constrained: bool) -> Sequence:
+        return Sequence(str(i), [1], greedy(), grammar=cache.matcher(specs[i % len(specs)]) if constrained else None)
+
+    some = [seq(i, i % 3 > 0) for i in range(9)]  # a gather of the constrained rows
+    every = [seq(i, True) for i in range(5)]  # the path without a gather
+    for seqs in (some, every):
+        assert seqs[1].grammar.matcher.accept_string('{"id": "ORD-1')  # type: ignore[union-attr]  # in a string
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        logits = torch.randn(len(seqs), vocab)
+        expected = logits.clone()
+        sampler = Sampler(torch.device("cpu"))
+        sampler._apply_grammars(logits, seqs, rows)
+        xgr.apply_token_bitmask_inplace(expected, sampler._bitmask[: len(seqs)], vocab_size=vocab, indices=rows)
+        assert torch.equal(logits, expected)
+        for i in rows:
+            assert 0 < int(torch.isfinite(logits[i]).sum()) < vocab
+        for i in set(range(len(seqs))) - set(rows):
+            assert torch.isfinite(logits[i]).all()
+
+
 # -- end to end on the tiny model --------------------------------------------------------------------
 
 
