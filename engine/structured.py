@@ -343,16 +343,16 @@ class GrammarCache:
                     del self._entries[key]
             entry.done.set()
             raise
-        if entry.grammar is not None:
-            entry.nbytes = int(getattr(entry.grammar, "memory_size_bytes", 0) or 0)
+        nbytes = int(getattr(entry.grammar, "memory_size_bytes", 0) or 0) if entry.grammar is not None else 0
         with self._lock:
             self.compile_seconds += time.perf_counter() - start
             if entry.error is None:
                 self.num_compiled += 1
             else:
                 self.num_errors += 1
-            if self._entries.get(key) is entry:  # not evicted meanwhile
-                self._bytes += entry.nbytes
+            if self._entries.get(key) is entry:  # not evicted meanwhile; counted once it is, under the lock
+                entry.nbytes = nbytes
+                self._bytes += nbytes
                 self._evict()
         entry.done.set()
 

@@ -345,7 +345,8 @@ def test_threads_asking_for_one_new_schema_compile_it_once(cache):
     assert cache.compile(spec) is results[0]
 
 
-def test_threads_compiling_many_schemas_leave_a_consistent_cache(tokenizer, llm):
+@pytest.mark.parametrize("round_", range(4))
+def test_threads_compiling_many_schemas_leave_a_consistent_cache(tokenizer, llm, round_):
     cache = GrammarCache(tokenizer, llm.engine.runner.vocab_size, max_entries=5)
     specs = [StructuredOutputsParams(json={**PERSON, "title": f"s{i}"}) for i in range(12)]
     errors: list[BaseException] = []
@@ -366,7 +367,7 @@ def test_threads_compiling_many_schemas_leave_a_consistent_cache(tokenizer, llm)
     st = cache.stats()
     assert st["num_compiled"] + st["num_hits"] == 4 * 24
     assert st["num_cached"] <= 5
-    assert st["cached_bytes"] == sum(e.nbytes for e in cache._entries.values())
+    assert st["cached_bytes"] == sum(e.nbytes for e in cache._entries.values())  # evictions raced: once a bug
 
 
 # -- what the grammars allow ------------------------------------------------------------------------
