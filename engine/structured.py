@@ -33,8 +33,8 @@ promise; xgrammar's built-in JSON grammar would also allow a top-level array).
 Control characters. JSON forbids raw control characters (U+0000 to U+001F) in strings, but the
 grammars xgrammar 0.2.9 compiles for length-bounded strings (``minLength``/``maxLength``) allow
 them, and byte-level vocabularies have such tokens (SmolLM2: 159 of 49,152): a random model found
-``"\x19"`` in a ``maxLength`` string at once, which ``json.loads`` refuses. With the fixed layout no
-JSON output ever needs one (a newline inside a string is written ``\n``), so JSON rows never get
+``"\\x19"`` in a ``maxLength`` string at once, which ``json.loads`` refuses. With the fixed layout no
+JSON output ever needs one (a newline inside a string is written ``\\n``), so JSON rows never get
 tokens containing a control byte (``GrammarState.restrict``).
 
 Compilation runs in the caller's thread (the engine service compiles in the task's thread,
