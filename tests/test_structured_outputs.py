@@ -575,6 +575,31 @@ def test_preemption_keeps_the_matcher_and_the_outputs(llm, smol_tiny_dir):
         assert out.token_ids == ref.token_ids
 
 
+def test_preemption_keeps_every_choices_matcher(llm, smol_tiny_dir):
+    """n > 1 under preemption: each choice's grammar state survives its recomputation, and every
+    choice's tokens equal those of a run with a pool large enough never to preempt."""
+    loaded = llm.engine.loaded
+    prompts = [llm.engine.encode(f"Request {i}: JSON about {w}.") for i, w in enumerate("abcdef")]
+    kinds = list(SCHEMAS) * 2
+    params = [sampled(40 + i, n=3, **so(json=SCHEMAS[k])) for i, k in enumerate(kinds[: len(prompts)])]
+
+    def engine(**kw) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(smol_tiny_dir), dtype="float32", **kw), loaded=loaded)
+
+    roomy = engine(num_kv_blocks=1024, block_size=8)
+    reference = _run(roomy, prompts, params)
+    assert roomy.stats()["num_preemptions"] == 0
+    tight = engine(num_kv_blocks=48, block_size=8)
+    outs = _run(tight, prompts, params)
+    assert tight.stats()["num_preemptions"] > 0
+    for kind, out, ref in zip(kinds, outs, reference):
+        assert len(out.outputs) == 3
+        for o, r in zip(out.outputs, ref.outputs, strict=True):
+            assert o.token_ids == r.token_ids
+            if o.finish_reason == "stop":
+                jsonschema.validate(json.loads(o.text), SCHEMAS[kind])
+
+
 def test_unconstrained_rows_are_untouched_by_constrained_ones(llm):
     texts = ["The cat sat on", "Once upon a time", "Numbers: 1, 2,", "Hello there"]
     plain = [greedy(max_tokens=24), greedy(max_tokens=24), sampled(7, max_tokens=24), greedy(max_tokens=24)]
@@ -671,9 +696,7 @@ def test_logprobs_under_a_grammar_are_the_models(llm):
 def test_n_choices_each_follow_the_grammar(llm):
     params = sampled(5, n=3, **so(json=ORDER))
     out = llm.generate(PROMPT, params)[0]
-    outputs = getattr(out, "outputs", None)
-    if outputs is None:  # n > 1 lands with the "nchoices" work
-        pytest.skip("RequestOutput.outputs is not there yet")
+    outputs = out.outputs
     assert len(outputs) == 3
     for o in outputs:
         assert o.finish_reason == "stop"
