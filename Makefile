@@ -8,13 +8,14 @@ PIP := $(PY) -m pip
 install: $(VENV)/.installed
 
 # The full install: the light package (client, CLI, job store) plus the worker extra (torch,
-# transformers, triton), the tests and the linters. torch is pinned to the exact CPU build that lies
-# on this machine's disk; a looser pin would pull several GB of CUDA wheels.
+# transformers, triton, xgrammar), the HTTP API's extra (FastAPI, uvicorn), the tests and the
+# linters. torch is pinned to the exact CPU build that lies on this machine's disk; a looser pin
+# would pull several GB of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[worker,test,lint]'
+	$(PIP) install -q -e '.[worker,serve,test,lint]'
 	touch $@
 
 redis:

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from batchery.contract.names import ATTENTION_BACKENDS, DEFAULT_MODEL, DTYPES, QUEUE_PREFIX
@@ -126,6 +126,36 @@ class DeadLetterOptions(BaseModel):
     )
 
 
+class ApiOptions(BaseModel):
+    """``batchery serve``: OpenAI's Files, Batches, Chat Completions, Completions, Responses and Models
+    over HTTP, backed by the queue (``BATCHERY_API__*``)."""
+
+    keys: SecretStr | None = Field(
+        default=None,
+        description="comma-separated API keys (Bearer); unset -> no auth, and the server listens on localhost only",
+    )
+    host: str = Field(default="127.0.0.1", description="address batchery serve listens on")
+    port: int = Field(default=8000, ge=0, le=65535, description="port batchery serve listens on")
+    storage_dir: str = Field(
+        default="~/.cache/batchery/files",
+        description="uploaded and result files (a directory every API replica can read: a volume in compose)",
+    )
+    max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1, description="largest upload, bytes (OpenAI: 200 MB)")
+    request_timeout: float = Field(
+        default=600.0, gt=0, description="seconds a synchronous chat/completions/responses request may take"
+    )
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, description="largest JSON request body, bytes")
+    key_prefix: str = Field(
+        default="batchery:api", min_length=1, max_length=64, description="Redis key prefix of files and batches"
+    )
+
+    def key_list(self) -> list[str]:
+        """The configured keys (empty: no auth). Never logged."""
+        if self.keys is None:
+            return []
+        return [k.strip() for k in self.keys.get_secret_value().split(",") if k.strip()]
+
+
 class Settings(BaseSettings):
     """Everything a worker (and a client) needs, from ``BATCHERY_*`` environment variables."""
 
@@ -149,6 +179,7 @@ class Settings(BaseSettings):
     batch: BatchOptions = Field(default_factory=BatchOptions)
     quarantine: QuarantineOptions = Field(default_factory=QuarantineOptions)
     deadletter: DeadLetterOptions = Field(default_factory=DeadLetterOptions)
+    api: ApiOptions = Field(default_factory=ApiOptions)
 
     # tasks
     concurrency: int | None = Field(default=None, ge=1, description="task threads; None -> max_num_seqs + 25%")

@@ -1,0 +1,7 @@
+"""Routes of models (OpenAI's API). Filled in by its owner."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+router = APIRouter()
