@@ -69,6 +69,7 @@ def main() -> None:
         BATCHERY_API__KEYS=key,
         BATCHERY_API__STORAGE_DIR=os.path.join(tmp, "files"),
         BATCHERY_API__KEY_PREFIX="batchery:apibench:" + os.urandom(3).hex(),
+        BATCHERY_BATCH__KEY_PREFIX="batchery:apibench-jobs:" + os.urandom(3).hex(),
         BATCHERY_BATCH__MAX_LINES=str(max(args.lines, 100_000)),
     )
     log = open(os.path.join(tmp, "serve.log"), "w")
@@ -135,19 +136,19 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
-        drop_queue(broker, env["BATCHERY_QUEUE"], env["BATCHERY_API__KEY_PREFIX"])
+        drop_queue(broker, env["BATCHERY_QUEUE"], env["BATCHERY_API__KEY_PREFIX"], env["BATCHERY_BATCH__KEY_PREFIX"])
 
 
-def drop_queue(broker: str, queue: str, prefix: str) -> None:
+def drop_queue(broker: str, queue: str, *prefixes: str) -> None:
     """Delete what the run left in Redis: the unconsumed queue's messages and the API's records."""
     import redis
 
     from batchery.broker.queues import queue_keys
 
     r = redis.Redis.from_url(broker)
-    keys = (
-        queue_keys(queue) + list(r.scan_iter(match=f"_kombu.binding*{queue}")) + list(r.scan_iter(match=f"{prefix}*"))
-    )
+    keys = queue_keys(queue) + list(r.scan_iter(match=f"_kombu.binding*{queue}"))
+    for prefix in prefixes:
+        keys += list(r.scan_iter(match=f"{prefix}*"))
     if keys:
         r.delete(*keys)
 
