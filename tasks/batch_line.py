@@ -6,7 +6,8 @@ Thin, like the chat tasks it reuses (``batchery.tasks.chat.run_chat`` / ``run_co
 0. check the message (``batchery.tasks.messages``): one that is none of ours (a line the job never
    queued, a custom_id out of bounds, ...) is logged and dead-lettered and never touches the job;
 1. claim the line (``JobStore.claim``): skip it if the job is cancelling, cancelled, failed or gone,
-   or if the line already has a record (a redelivered message);
+   or if the line already has a record (a redelivered message), or if the job's completion window has ended
+   (the claim then records the line ``batch_expired`` itself);
 2. run it, polling the job while waiting, so a cancel aborts it in the engine;
 3. store its record (``JobStore.write``: ``HSETNX`` + counters in one script, so a duplicate
    delivery never counts twice).
@@ -58,7 +59,8 @@ def batch_line(
         lease = resolve_timeout(timeout, settings) + settings.retry_backoff_max + LEASE_GRACE_S
     except InvalidRequest:
         lease = settings.max_task_timeout + LEASE_GRACE_S
-    claim = _retrying(f"claiming line {line} of {job}", store.claim, job, line, lease)
+    # "expired": the job's completion window ended before the line started; the claim recorded it batch_expired
+    claim = _retrying(f"claiming line {line} of {job}", store.claim, job, line, lease, custom_id)
     if claim != "run":
         return LineOutcome(Outcome.SKIPPED, claim)
     run = RUNNERS.get(url)

@@ -54,6 +54,8 @@ UNSUPPORTED_METHOD = "unsupported_method"
 UNSUPPORTED_URL = "unsupported_url"
 INVALID_BODY = "invalid_body"
 LINE_TOO_LARGE = "line_too_large"
+# ... and recorded by the job store for a line its job's completion window ended before it started (OpenAI's code)
+BATCH_EXPIRED = "batch_expired"
 # ... and reported by the worker (see batchery.tasks.batch_line)
 # Worker-side codes are the error values of batchery.contract.outcomes.Outcome (context_length_exceeded,
 # invalid_request, deadline_exceeded, engine_error, engine_crash, internal_error).

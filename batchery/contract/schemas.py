@@ -991,8 +991,12 @@ class Completion(_Open):
 
 
 # -- batch jobs -------------------------------------------------------------------------------
-BatchStatus = Literal["validating", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled"]
-TERMINAL_STATUSES = frozenset({"completed", "failed", "cancelled"})
+BatchStatus = Literal[
+    "validating", "in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled"
+]
+# ``expired``: the job's completion window ended before every line had started; the lines that had not are
+# error records (``batch_expired``), the ones that had finished and kept their results (OpenAI's Batch API).
+TERMINAL_STATUSES = frozenset({"completed", "failed", "expired", "cancelled"})
 
 
 class RequestCounts(_Open):
@@ -1033,7 +1037,11 @@ class BatchJob(_Open):
     failed_at: float | None = None
     cancelling_at: float | None = None
     cancelled_at: float | None = None
-    expires_at: float | None = None
+    expired_at: float | None = None  # when it ended ``expired``
+    expires_at: float | None = None  # when its keys expire (the TTL, counted from its end)
+    window_s: float | None = None  # its completion window, seconds (None: no window, it never expires)
+    window_ends_at: float | None = None  # created_at + window_s: lines not started by then are not run
+    expired_lines: int = 0  # lines recorded ``batch_expired`` (counted in request_counts.failed too)
     request_counts: RequestCounts = Field(default_factory=RequestCounts)
     usage: BatchUsage = Field(default_factory=BatchUsage)
     errors: list[BatchError] = Field(default_factory=list)  # job-level (the job failed); line errors are records

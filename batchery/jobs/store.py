@@ -49,25 +49,33 @@ again (``batchery.jobs.recover``). It costs about as much Redis memory as the qu
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
+import math
 import random
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 
+from batchery.contract.batch import BATCH_EXPIRED, error_record
+from batchery.contract.errors import InvalidRequest
 from batchery.contract.schemas import TERMINAL_STATUSES, BatchJob
 
 log = logging.getLogger("batchery.jobs")
 
 ACTIVE_STATUSES = frozenset({"validating", "in_progress"})  # lines may still start
-STOPPED_STATUSES = frozenset({"cancelling", "cancelled", "failed"})  # lines must not run
+STOPPED_STATUSES = frozenset({"cancelling", "cancelled", "failed", "expired"})  # lines must not run
 FINALIZE_STALE_S = 10.0  # a job finalizing for this long lost its finalizer
 SUBMIT_STALE_S = 120.0  # a validating job whose submitter has not beaten for this long is dead
 LEASE_GRACE_S = 30.0  # a running lease outlives its request's deadline by this much
 MAX_REPAIRS_PER_CREATE = 20  # old jobs that never ended, looked at (and repaired) by each create
 MAX_INDEX_SCAN = 50_000  # newest jobs of the index that lost-line recovery looks through, per round
+EXPIRE_PIECE = 500  # pending lines recorded batch_expired per script call (each call is short: Redis stays responsive)
+EXPIRE_LOCK_S = 60.0  # one expire() at a time per job (API replicas polling the same job); a dead holder's lapses
+MAX_WINDOW_S = 30 * 86400.0  # the longest completion window a job may have
+EXPIRED_MESSAGE = "the batch's completion window ended before this line started"
 
 _PRELUDE = """
 local function server_now()
@@ -98,6 +106,37 @@ end
 local function num(job, field)
   return tonumber(redis.call('HGET', job, field) or '0') or 0
 end
+local function window_passed(job, now)
+  local ends = tonumber(redis.call('HGET', job, 'window_ends_at') or '')
+  return ends ~= nil and tonumber(now) >= ends
+end
+-- after a new record was counted: the last record of an in_progress job makes it finalizing, the last lease of a
+-- cancelling one makes it cancelled
+local function settle(job, results, running, status, ttl)
+  if status == 'in_progress' then
+    if num(job, 'completed') + num(job, 'failed') >= num(job, 'total') then
+      redis.call('HSET', job, 'status', 'finalizing', 'finalizing_at', server_now())
+      return 'finalizing'
+    end
+  elseif status == 'cancelling' then
+    local now = server_now()
+    if live_leases(running, now) == 0 then
+      finish(job, results, running, 'cancelled', now, ttl)
+      return 'cancelled'
+    end
+  end
+  return status
+end
+-- a line its job's completion window ended before it started: its batch_expired record, counted as failed, once
+local function expire_line(job, results, pending, line, record, now)
+  if redis.call('HSETNX', results, line, record) == 0 then return 0 end
+  redis.call('HDEL', pending, line)
+  inherit_ttl(results, job)
+  redis.call('HINCRBY', job, 'failed', 1)
+  redis.call('HINCRBY', job, 'expired_lines', 1)
+  redis.call('HSET', job, 'progress_at', now)
+  return 1
+end
 """
 
 # KEYS: job, index   ARGV: job id, ttl, prefix, then the job's fields and values (timestamps are added here)
@@ -108,6 +147,8 @@ _CREATE = (
 local now = server_now()
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'created_at', now, 'submit_beat', now, unpack(ARGV, 4))
+local window = tonumber(redis.call('HGET', KEYS[1], 'window_s') or '')
+if window then redis.call('HSET', KEYS[1], 'window_ends_at', string.format('%.6f', tonumber(now) + window)) end
 redis.call('ZADD', KEYS[2], now, ARGV[1])
 local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', tonumber(now) - tonumber(ARGV[2]), 'LIMIT', 0, 1000)
 local unended = {}
@@ -115,7 +156,7 @@ for _, id in ipairs(old) do
   local status = redis.call('HGET', ARGV[3] .. ':' .. id, 'status')
   if not status then
     if redis.call('EXISTS', ARGV[3] .. ':' .. id) == 0 then redis.call('ZREM', KEYS[2], id) end
-  elseif status ~= 'completed' and status ~= 'failed' and status ~= 'cancelled' then
+  elseif status ~= 'completed' and status ~= 'failed' and status ~= 'expired' and status ~= 'cancelled' then
     table.insert(unended, id)
   end
 end
@@ -149,7 +190,8 @@ return 1
 """
 )
 
-# KEYS: job, results, running, pending   ARGV: line, lease seconds
+# KEYS: job, results, running, pending   ARGV: line, lease seconds, the line's batch_expired record, ttl
+# Returns 'run', 'done', 'gone', the status, or {'expired', status} (the window had ended: the line is recorded).
 _CLAIM = (
     _PRELUDE
     + """
@@ -158,6 +200,11 @@ if not status then return 'gone' end
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 'done' end
 if status ~= 'validating' and status ~= 'in_progress' then return status end
 local now = server_now()
+if window_passed(KEYS[1], now) then
+  redis.call('HDEL', KEYS[3], ARGV[1])
+  expire_line(KEYS[1], KEYS[2], KEYS[4], ARGV[1], ARGV[3], now)
+  return {'expired', settle(KEYS[1], KEYS[2], KEYS[3], status, ARGV[4])}
+end
 redis.call('HSETNX', KEYS[1], 'started_at', now)
 redis.call('HSET', KEYS[3], ARGV[1], string.format('%.6f', tonumber(now) + tonumber(ARGV[2])))
 inherit_ttl(KEYS[3], KEYS[1])
@@ -180,19 +227,7 @@ redis.call('HSET', KEYS[1], 'progress_at', server_now())
 redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
 if tonumber(ARGV[4]) > 0 then redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[4]) end
 if tonumber(ARGV[5]) > 0 then redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[5]) end
-if status == 'in_progress' then
-  if num(KEYS[1], 'completed') + num(KEYS[1], 'failed') >= num(KEYS[1], 'total') then
-    redis.call('HSET', KEYS[1], 'status', 'finalizing', 'finalizing_at', server_now())
-    return {1, 'finalizing'}
-  end
-elseif status == 'cancelling' then
-  local now = server_now()
-  if live_leases(KEYS[3], now) == 0 then
-    finish(KEYS[1], KEYS[2], KEYS[3], 'cancelled', now, ARGV[6])
-    return {1, 'cancelled'}
-  end
-end
-return {1, status}
+return {1, settle(KEYS[1], KEYS[2], KEYS[3], status, ARGV[6])}
 """
 )
 
@@ -269,10 +304,46 @@ _FINALIZE = (
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'gone' end
 if status ~= 'finalizing' then return status end
-finish(KEYS[1], KEYS[2], KEYS[3], 'completed', server_now(), ARGV[1])
-return 'completed'
+local ended = 'completed'
+if num(KEYS[1], 'expired_lines') > 0 then ended = 'expired' end
+finish(KEYS[1], KEYS[2], KEYS[3], ended, server_now(), ARGV[1])
+return ended
 """
 )
+
+# KEYS: job, results, running, pending   ARGV: ttl, then line, its batch_expired record, line, record, ...
+# The lines given that have no record and no live lease are recorded batch_expired, if the job's completion window
+# has ended and lines may still start. Returns {lines recorded, status}.
+_EXPIRE = (
+    _PRELUDE
+    + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return {0, 'gone'} end
+if status ~= 'validating' and status ~= 'in_progress' then return {0, status} end
+local now = server_now()
+if not window_passed(KEYS[1], now) then return {0, status} end
+local n = 0
+for i = 2, #ARGV - 1, 2 do
+  local line = ARGV[i]
+  if redis.call('HEXISTS', KEYS[2], line) == 1 then
+    redis.call('HDEL', KEYS[4], line)
+  else
+    local lease = tonumber(redis.call('HGET', KEYS[3], line) or '')
+    if lease == nil or lease < tonumber(now) then  -- not running (or its worker died): it will not start now
+      redis.call('HDEL', KEYS[3], line)
+      n = n + expire_line(KEYS[1], KEYS[2], KEYS[4], line, ARGV[i + 1], now)
+    end
+  end
+end
+return {n, settle(KEYS[1], KEYS[2], KEYS[3], status, ARGV[1])}
+"""
+)
+
+# KEYS: lock   ARGV: token. Deletes the lock only if it is still ours.
+_UNLOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 # KEYS: job, results, running, pending   ARGV: ttl
 # A job hash with no status is no job (a write on a flushed or replaced Redis, by older code): its keys expire.
@@ -293,7 +364,10 @@ _FLOAT_FIELDS = (
     "failed_at",
     "cancelling_at",
     "cancelled_at",
+    "expired_at",
     "expires_at",
+    "window_s",
+    "window_ends_at",
 )
 
 
@@ -325,6 +399,34 @@ def _gone(job_id: str) -> JobNotFound:
     return JobNotFound(f"no batch job {job_id!r} (never created, or expired)")
 
 
+def check_window(window_s) -> float | None:
+    """A completion window in seconds (None: none); raises ``InvalidRequest`` naming the field."""
+    if window_s is None:
+        return None
+    if isinstance(window_s, bool) or not isinstance(window_s, (int, float)) or not math.isfinite(window_s):
+        raise InvalidRequest(f"completion_window must be a number of seconds, got {window_s!r}"[:200])
+    if not 0 < window_s <= MAX_WINDOW_S:
+        raise InvalidRequest(f"completion_window must be more than 0 and at most {MAX_WINDOW_S:g} s, got {window_s!r}")
+    return float(window_s)
+
+
+def expired_record(job_id: str, line: int, custom_id: str | None) -> str:
+    """The JSON record of a line its job's completion window ended before it started (OpenAI's ``batch_expired``
+    error line: no response)."""
+    rec = error_record(job_id, int(line), custom_id, BATCH_EXPIRED, EXPIRED_MESSAGE)
+    return json.dumps(rec, separators=(",", ":"))
+
+
+def _custom_id_of(message) -> str | None:
+    """The ``custom_id`` in a queued task message (a ledger entry), or None if it cannot be read."""
+    try:
+        body = json.loads(base64.b64decode(json.loads(message)["body"]))
+        cid = body[1]["custom_id"]
+        return cid if isinstance(cid, str) else None
+    except Exception:  # noqa: BLE001 - the record is still written, without its custom_id
+        return None
+
+
 class JobStore:
     """Batch-job bookkeeping on one Redis. Thread-safe (redis-py clients are).
 
@@ -344,6 +446,8 @@ class JobStore:
         self._cancel = self.r.register_script(_CANCEL)
         self._end_submit = self.r.register_script(_END_SUBMIT)
         self._finalize = self.r.register_script(_FINALIZE)
+        self._expire = self.r.register_script(_EXPIRE)
+        self._unlock = self.r.register_script(_UNLOCK)
         self._expire_malformed = self.r.register_script(_EXPIRE_MALFORMED)
 
     # -- keys -------------------------------------------------------------------------------------
@@ -374,9 +478,13 @@ class JobStore:
         metadata: dict[str, str] | None = None,
         timeout: float | None = None,
         priority: int = 0,
+        window_s: float | None = None,
     ) -> None:
         """A new ``validating`` job. Its keys do not expire until it ends; ``created_at`` is server time.
-        Prunes the index of jobs that have expired, and repairs old ones that never ended (a dead submitter)."""
+        ``window_s``: its completion window, from ``created_at`` (server time): lines not started by then are
+        recorded ``batch_expired`` instead of running (``claim``, ``expire``). Prunes the index of jobs that have
+        expired, and repairs old ones that never ended (a dead submitter)."""
+        window_s = check_window(window_s)
         fields = {
             "id": job_id,
             "status": "validating",
@@ -392,6 +500,7 @@ class JobStore:
             "input_file": input_file or "",
             "timeout": "" if timeout is None else repr(float(timeout)),
             "priority": int(priority),
+            "window_s": "" if window_s is None else repr(window_s),
         }
         args: list = [job_id, self.ttl, self.prefix]
         for k, v in fields.items():
@@ -481,10 +590,20 @@ class JobStore:
         return status
 
     # -- the worker's side ------------------------------------------------------------------------
-    def claim(self, job_id: str, line: int, lease_s: float) -> str:
+    def claim(self, job_id: str, line: int, lease_s: float, custom_id: str | None = None) -> str:
         """``"run"`` (the caller holds the line's lease, for ``lease_s`` seconds of server time), ``"done"``
-        (it has a record), ``"gone"`` (no such job) or the job's status when lines must not run."""
-        return _s(self._claim(keys=self.keys(job_id), args=[_line_key(line), repr(float(lease_s))]))
+        (it has a record), ``"gone"`` (no such job), ``"expired"`` (the job's completion window has ended: the
+        line is not run, and this call recorded it ``batch_expired``, with ``custom_id``) or the job's status
+        when lines must not run."""
+        answer = self._claim(
+            keys=self.keys(job_id),
+            args=[_line_key(line), repr(float(lease_s)), expired_record(job_id, line, custom_id), self.ttl],
+        )
+        if isinstance(answer, list):  # expired: the record may have been the job's last
+            if _s(answer[1]) == "finalizing":
+                self.finalize(job_id)
+            return _s(answer[0])
+        return _s(answer)
 
     def write(
         self, job_id: str, line: int, record: dict, failed: bool, prompt_tokens: int = 0, completion_tokens: int = 0
@@ -516,6 +635,53 @@ class JobStore:
     # -- anyone -----------------------------------------------------------------------------------
     def finalize(self, job_id: str) -> str:
         return _s(self._finalize(keys=self.keys(job_id), args=[self.ttl]))
+
+    def expire(self, job_id: str, piece: int = EXPIRE_PIECE) -> str:
+        """Enforce the job's completion window once it has ended (server time): every pending line that is not
+        running is recorded ``batch_expired`` (counted as failed, once), ``piece`` lines per script, so Redis
+        stays responsive on a large job. Lines running now finish and keep their results; the job ends
+        ``expired`` when the last of them is recorded (at once if none runs). Returns the status (``"gone"``
+        never: raises ``JobNotFound``). Harmless to call any number of times, from any number of processes
+        (one at a time per job does the work; the others return the status). Before the window ends, or for a
+        job without one, it changes nothing.
+
+        The pending lines are the submitter's ledger (a Redis broker); without one, lines expire only as
+        workers claim them."""
+        status, ends = self.r.hmget(self.key(job_id), ["status", "window_ends_at"])
+        if status is None:
+            self._check_exists(job_id)
+        st = _s(status)
+        if st not in ACTIVE_STATUSES or not ends or self.server_time() < float(_s(ends)):
+            return st
+        lock, token = f"{self.key(job_id)}:expiring", uuid.uuid4().hex
+        if not self.r.set(lock, token, nx=True, px=int(EXPIRE_LOCK_S * 1000)):
+            return st  # another process is at it
+        try:
+            keys = self.keys(job_id)
+            cursor = 0
+            while True:
+                cursor, entries = self.r.hscan(keys[3], cursor, count=max(1, int(piece)))
+                items = list(entries.items())
+                for i in range(0, len(items), max(1, int(piece))):
+                    args: list = [self.ttl]
+                    for line, message in items[i : i + max(1, int(piece))]:
+                        args += [_s(line), expired_record(job_id, int(_s(line)), _custom_id_of(message))]
+                    _, status = self._expire(keys=keys, args=args)
+                    st = _s(status)
+                    if st not in ACTIVE_STATUSES:
+                        break
+                if st not in ACTIVE_STATUSES or int(cursor) == 0:
+                    break
+                self.r.pexpire(lock, int(EXPIRE_LOCK_S * 1000))
+            if st in ACTIVE_STATUSES:  # no pending line left to record: may the job end now?
+                st = _s(self._expire(keys=keys, args=[self.ttl])[1])
+            if st == "finalizing":
+                st = self.finalize(job_id)
+        finally:
+            self._unlock(keys=[lock], args=[token])
+        if st == "gone":
+            self._check_exists(job_id)
+        return st
 
     def cancel(self, job_id: str) -> str:
         """Ask a job to stop: ``cancelling``, then ``cancelled`` once no line is running. A job that
@@ -639,6 +805,7 @@ class JobStore:
             "errors": json.loads(d.get("errors") or "[]"),
             "timeout": float(d["timeout"]) if d.get("timeout") else None,
             "priority": num("priority"),
+            "expired_lines": num("expired_lines"),
         }
         for f in _FLOAT_FIELDS:
             if d.get(f):

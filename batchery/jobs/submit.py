@@ -9,7 +9,16 @@ job is ``validating`` until the last chunk, then ``in_progress``.
 The job fails as a whole (status ``failed``, a job-level error; lines already queued are skipped
 and running ones aborted) only when it cannot be a job: no request lines (``empty_file``), more
 lines than ``BATCHERY_BATCH__MAX_LINES`` (``too_many_lines``), or the submission itself broke off
-(``submission_interrupted``: Ctrl-C, an unreadable file).
+(``submission_interrupted``: Ctrl-C, an unreadable file). With ``require_valid`` (the HTTP API, as OpenAI's
+Batch API validates a file before it runs it) a file none of whose lines is valid fails too (``no_valid_lines``,
+with the first line errors).
+
+A job may have a completion window (``completion_window``, seconds from its creation): lines not started when it
+ends are recorded ``batch_expired`` instead of running (``batchery.jobs.store``). With ``endpoint`` (the batch's
+endpoint, as in OpenAI's API) a line whose ``url`` is another one is an error line (``unsupported_url``).
+
+``run`` is ``create`` (validate the options, create the ``validating`` job) and then ``submit`` (stream the
+input); the HTTP API calls the two apart, so that its create call returns while the file is still being read.
 
 A job that vanishes from Redis during the submission (deleted, or Redis flushed or replaced) raises
 ``JobNotFound``: nothing is written to it any more, so no malformed job is left behind."""
@@ -23,16 +32,25 @@ from pathlib import Path
 
 from batchery.broker.connection import is_redis_url, redis_from_url
 from batchery.broker.publish import MessageBuilder
-from batchery.contract.batch import BatchLine, LineError, line_error_record, parse_line, parse_object, parse_stream
+from batchery.contract.batch import (
+    UNSUPPORTED_URL,
+    BatchLine,
+    LineError,
+    line_error_record,
+    parse_line,
+    parse_object,
+    parse_stream,
+)
 from batchery.contract.errors import InvalidRequest
 from batchery.contract.names import BATCH_LINE_TASK, ENQUEUED_AT_HEADER
 from batchery.contract.schemas import check_timeout
-from batchery.jobs.store import STOPPED_STATUSES, JobNotFound, JobStore, new_job_id
+from batchery.jobs.store import STOPPED_STATUSES, JobNotFound, JobStore, check_window, new_job_id
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
 DEFAULT_CHUNK = 1000
+FIRST_ERRORS = 10  # line errors a job that fails with no_valid_lines reports
 
 
 def check_options(timeout, priority, metadata) -> tuple[float | None, int, dict[str, str]]:
@@ -89,30 +107,81 @@ class Submitter:
         self.settings = settings
         self.chunk_size = chunk_size
 
-    def run(self, source, *, timeout=None, priority=None, metadata=None, job_id: str | None = None) -> str:
-        timeout, priority, metadata = check_options(timeout, priority, metadata)
-        limits = self.settings.batch
-        job_id = job_id or new_job_id()
+    def run(
+        self,
+        source,
+        *,
+        timeout=None,
+        priority=None,
+        metadata=None,
+        job_id: str | None = None,
+        completion_window: float | None = None,
+        endpoint: str | None = None,
+        require_valid: bool = False,
+    ) -> str:
+        """Create the job and submit ``source`` (a JSONL path, a binary file object, or an iterable of line
+        dicts or strings); returns the job id once every line is enqueued."""
         path = Path(source) if isinstance(source, (str, os.PathLike)) else None
         if path is not None and not path.is_file():
             raise InvalidRequest(f"no such file: {path}")
+        self.create(
+            timeout=timeout,
+            priority=priority,
+            metadata=metadata,
+            job_id=job_id,
+            completion_window=completion_window,
+            endpoint=endpoint,
+            require_valid=require_valid,
+            input_file=str(path) if path else None,
+        )
+        return self.submit(source)
+
+    def create(
+        self,
+        *,
+        timeout=None,
+        priority=None,
+        metadata=None,
+        job_id: str | None = None,
+        completion_window: float | None = None,
+        endpoint: str | None = None,
+        require_valid: bool = False,
+        input_file: str | None = None,
+    ) -> str:
+        """Validate the job's options (``InvalidRequest`` naming the field, before anything is written) and
+        create it, ``validating``; ``submit`` then streams its input. Returns the job id."""
+        timeout, priority, metadata = check_options(timeout, priority, metadata)
+        window = check_window(completion_window)
+        job_id = job_id or new_job_id()
         self.store.create(
             job_id,
             queue=self.settings.queue,
             model=self.settings.model,
-            input_file=str(path) if path else None,
+            input_file=input_file,
             metadata=metadata,
             timeout=timeout,
             priority=priority,
+            window_s=window,
         )
         self.job_id = job_id
+        self.endpoint = endpoint
+        self.require_valid = require_valid
         self.builder = (
             MessageBuilder(self.app, BATCH_LINE_TASK, self.settings.queue, priority)
             if self.broker is not None
             else None
         )
         self.kwargs = {"timeout": timeout, "priority": priority}
-        self.total = self.max_line = 0
+        self.total = self.max_line = self.valid = 0
+        self.first_errors: list[LineError] = []
+        return job_id
+
+    def submit(self, source) -> str:
+        """Stream ``source`` into the job made by ``create``; returns the job id (its status tells how it went).
+        Any exception fails the job (``submission_interrupted``) and is raised again."""
+        limits = self.settings.batch
+        job_id = self.job_id
+        path = Path(source) if isinstance(source, (str, os.PathLike)) else None
         try:
             if path is not None and exceeds_max_lines(path, limits.max_lines):
                 return self._fail(
@@ -122,6 +191,8 @@ class Submitter:
             if path is not None:
                 with open(path, "rb") as f:
                     stopped = self._submit(parse_stream(f, limits.max_line_bytes), limits.max_lines)
+            elif hasattr(source, "read"):  # a binary file object (the HTTP API's stored file)
+                stopped = self._submit(parse_stream(source, limits.max_line_bytes), limits.max_lines)
             else:
                 stopped = self._submit(self._parse_items(source, limits.max_line_bytes), limits.max_lines)
         except BaseException as exc:
@@ -134,6 +205,13 @@ class Submitter:
             return job_id
         if self.total == 0:
             return self._fail("empty_file", "the input has no request lines")
+        if self.require_valid and self.valid == 0:
+            return self._fail(
+                "no_valid_lines",
+                f"none of the {self.total} request lines is valid"
+                + (f"; the first {len(self.first_errors)} errors follow" if self.first_errors else ""),
+                self.first_errors,
+            )
         if self.store.end_submit(job_id, self.total, self.max_line) == "gone":
             raise self._vanished()
         return job_id
@@ -165,10 +243,21 @@ class Submitter:
                     "too_many_lines", f"the input has more than {max_lines} request lines (BATCHERY_BATCH__MAX_LINES)"
                 )
                 return True
+            if isinstance(item, BatchLine) and self.endpoint is not None and item.url != self.endpoint:
+                item = LineError(
+                    item.line,
+                    item.custom_id,
+                    UNSUPPORTED_URL,
+                    f"url {item.url!r} is not the batch's endpoint {self.endpoint!r}: every line of a batch "
+                    "goes to its endpoint",
+                )
             if isinstance(item, BatchLine):
                 messages.append((item.line, self._message(item)))
+                self.valid += 1
             else:
                 errors.append(item)
+                if len(self.first_errors) < FIRST_ERRORS:
+                    self.first_errors.append(item)
             self.max_line = item.line
             if len(messages) + len(errors) >= self.chunk_size:
                 if self._flush(messages, errors):
@@ -237,11 +326,11 @@ class Submitter:
             "flushed or replaced during the submission); lines already queued are skipped; submit again"
         )
 
-    def _fail(self, code: str, message: str) -> str:
+    def _fail(self, code: str, message: str, lines: list[LineError] | None = None) -> str:
+        errors: list[dict] = [{"code": code, "message": message, "line": None}]
+        errors += [{"code": e.code, "message": e.message, "line": e.line} for e in lines or ()]
         try:
-            self.store.end_submit(
-                self.job_id, self.total, self.max_line, [{"code": code, "message": message, "line": None}]
-            )
+            self.store.end_submit(self.job_id, self.total, self.max_line, errors)
         except Exception:  # noqa: BLE001 - reporting the failure must not hide the original error
             pass
         return self.job_id
