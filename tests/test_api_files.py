@@ -4,9 +4,11 @@ result backend, under a private key prefix) and a real storage directory under `
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -342,6 +344,53 @@ def test_multipart_shapes(api):
     )
     assert refused(400, None, content=b"--nope\r\ngarbage", headers={"Content-Type": "multipart/form-data; boundary=x"})
     assert len(api.stored()) == 1
+
+
+def test_a_client_that_hangs_up_mid_upload_leaves_nothing(api, caplog):
+    """Driven through the ASGI interface: the body stops half way through the file and the server is told the
+    client went away (what uvicorn says when the connection drops)."""
+    boundary = "cutcutcut"
+    head = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="x.jsonl"\r\n\r\n'
+    ).encode()
+    messages = [
+        {"type": "http.request", "body": head, "more_body": True},
+        *({"type": "http.request", "body": line(i) + b"\n", "more_body": True} for i in range(20_000)),
+        {"type": "http.disconnect"},
+    ]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/files",
+        "raw_path": b"/v1/files",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"testserver"),
+            (b"authorization", f"Bearer {KEY_A}".encode()),
+            (b"content-type", f"multipart/form-data; boundary={boundary}".encode()),
+        ],
+        "client": ("127.0.0.1", 1234),
+        "server": ("testserver", 80),
+    }
+    caplog.set_level(logging.INFO, "batchery.api.files")
+    asyncio.run(api.app(scope, receive, send))
+    assert sent[0]["status"] == 400
+    cut = re.search(r"cut off by the client after (\d+) bytes", caplog.text)
+    assert cut and int(cut.group(1)) > 2 << 20  # megabytes had gone into the storage writer ...
+    assert api.stored() == [] and api.redis_keys() == []  # ... and nothing is left, not even a temporary
 
 
 def test_keys_never_reach_the_logs(api, tmp_path, caplog):

@@ -37,6 +37,7 @@ from fastapi.responses import StreamingResponse
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from batchery.api.auth import Tenant
 from batchery.api.errors import APIError, invalid, not_found
@@ -212,6 +213,10 @@ class Files:
         self.storage = storage
         self.max_file_bytes = max_file_bytes
         self.max_line_bytes = max_line_bytes
+
+    def close(self) -> None:
+        """Close the Redis connections (the app's shutdown calls it)."""
+        self.r.close()
 
     def _key(self, file_id: str) -> str:
         return f"{self.prefix}:file:{file_id}"
@@ -407,6 +412,7 @@ class Upload:
         self._headers: dict[str, str] = {}
         self._text = bytearray()
         self._ended = False
+        self.received = 0  # bytes of the body fed so far
 
     # -- parser callbacks -------------------------------------------------------------------------------
     def _part_begin(self) -> None:
@@ -480,6 +486,7 @@ class Upload:
 
     # -- driving ------------------------------------------------------------------------------------------
     def feed(self, data: bytes) -> None:
+        self.received += len(data)
         try:
             self.parser.write(data)
         except MultipartParseError as exc:
@@ -573,6 +580,10 @@ async def create_file(request: Request, who: Tenant = Depends(tenant)) -> dict[s
         error = await _feed_body(request.stream(), upload)
         if error is None:
             return await run_in_threadpool(upload.finish)
+    except ClientDisconnect:  # nobody reads an answer now; not a bug worth a traceback
+        upload.abort()
+        log.info("an upload (tenant %s) was cut off by the client after %d bytes", who.id, upload.received)
+        raise APIError(400, "the client disconnected during the upload") from None
     except BaseException:
         upload.abort()
         raise
