@@ -24,8 +24,8 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 
 RUN useradd --uid "${UID}" --non-unique --create-home --shell /usr/sbin/nologin batchery \
- && mkdir -p /models \
- && chown batchery:batchery /models
+ && mkdir -p /models /files \
+ && chown batchery:batchery /models /files
 
 # Dependencies first, in their own layer, so a code change does not reinstall transformers & co:
 # install the project with empty packages, keep its dependencies, drop the project itself.
@@ -35,7 +35,7 @@ COPY pyproject.toml README.md ./
 RUN mkdir -p batchery engine worker tasks \
  && touch batchery/__init__.py engine/__init__.py worker/__init__.py tasks/__init__.py \
  && base_torch="$(python -c 'import torch; print(torch.__version__)')" \
- && pip install '.[worker]' \
+ && pip install '.[worker,serve]' \
  && pip uninstall -y batchery \
  && rm -rf batchery engine worker tasks build ./*.egg-info \
  && python -c "import sys, torch; assert torch.__version__ == sys.argv[1] and torch.version.cuda, \
@@ -57,8 +57,9 @@ RUN if [ "${PREFETCH_DEFAULT_MODEL}" = "1" ]; then \
       python -c "from batchery.engine.loader import default_model_path; print(default_model_path())"; \
     fi
 
-# Health, readiness and metrics (BATCHERY_HEALTH_PORT).
-EXPOSE 8080
+# Health, readiness and metrics (BATCHERY_HEALTH_PORT); 8000: batchery serve (compose's api service),
+# which keeps its files on /files (a named volume there starts owned by the batchery user).
+EXPOSE 8080 8000
 HEALTHCHECK --interval=30s --timeout=10s --start-period=600s --retries=3 \
   CMD ["batchery", "health", "--quiet"]
 

@@ -3,10 +3,11 @@ snippets in docs/deploy.md.
 
 The properties the deployment promises are read off the files: services, profiles, GPU
 reservation, healthchecks, grace periods, Redis never on a public interface, every worker setting
-reachable from .env. Then Debian's ``docker-compose`` (1.29) validates the files with
-``docker-compose config``. It parses the files without a Docker engine. CI must have it
-(``apt-get install -y docker-compose``): under ``CI=true`` a missing binary fails these tests.
-Elsewhere they are skipped."""
+reachable from .env, the api service (batchery serve) in front of the workers with its keys and its
+files volume, and the keys never in a worker's environment. Then Debian's ``docker-compose``
+(1.29) validates the files with ``docker-compose config``. It parses the files without a Docker
+engine. CI must have it (``apt-get install -y docker-compose``): under ``CI=true`` a missing binary
+fails these tests. Elsewhere they are skipped."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ ENV_EXAMPLE = ROOT / ".env.example"
 DEPLOY_DOC = ROOT / "docs" / "deploy.md"
 
 BATCHERY_SERVICES = ("worker", "worker-cpu", "cli")  # the services that run batchery with the shared env
+API_PREFIX = "BATCHERY_API__"  # batchery serve's own settings: the api service's, no worker's
+API_FIXED_BY_COMMAND = {"BATCHERY_API__HOST", "BATCHERY_API__PORT"}  # the api service's command sets them
 # BATCHERY_* names compose uses that are not Settings fields
 COMPOSE_ONLY = {
     "BATCHERY_MODEL_CACHE",  # read by engine/loader.py from the environment
@@ -87,8 +90,13 @@ def command_text(cmd) -> str:
 
 
 def setting_env_names() -> set[str]:
-    """Every BATCHERY_* variable the worker's Settings reads (nested options with ``__``)."""
+    """Every BATCHERY_* variable Settings reads (nested options with ``__``)."""
     return {var for var, _default, _meaning in env_variables()}
+
+
+def worker_setting_env_names() -> set[str]:
+    """The BATCHERY_* variables of the workers and the CLI: all but batchery serve's own."""
+    return {v for v in setting_env_names() if not v.startswith(API_PREFIX)}
 
 
 def env_example_entries() -> dict[str, str]:
@@ -264,6 +272,50 @@ def test_stop_grace_period_outlasts_the_drain_and_the_default_deadline(services,
     assert stop >= task_timeout + GRACE_MARGIN_S
 
 
+# -- the api (batchery serve) -----------------------------------------------------------------------------
+def test_api_serves_on_port_8000_in_front_of_the_workers(services, compose):
+    api = services["api"]
+    assert "profiles" not in api  # the default stack
+    assert command_text(api["command"]) == "batchery serve --host 0.0.0.0 --port 8000"
+    assert api["image"] == services["worker"]["image"]  # the same image: nothing more to build
+    assert api["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert "deploy" not in api  # no GPU
+    assert api["restart"] == "unless-stopped"
+    assert [port for _, port in _published(api["ports"])] == ["8000"]
+    test = api["healthcheck"]["test"]
+    assert test[0] == "CMD" and command_text(test[1:]) == (
+        "batchery health --live --quiet --url http://127.0.0.1:8000"
+    ), test  # GET /healthz on the server itself
+    assert duration_s(api["stop_grace_period"]) >= 15  # batchery serve gives open requests 10 s
+
+
+def test_api_files_live_on_a_named_volume_every_replica_shares(services, compose):
+    api = services["api"]
+    storage = api["environment"]["BATCHERY_API__STORAGE_DIR"]
+    assert storage == "/files"
+    assert _named_volume(api, storage, compose) == "files"
+    for word, rest in dockerfile_instructions(ROOT / "Dockerfile"):
+        if word == "RUN" and "useradd" in rest:
+            assert "/files" in rest and re.search(r"chown batchery:batchery [^&]*/files", rest), rest
+
+
+def test_api_keys_and_settings_never_reach_a_worker(raw, compose):
+    for name in BATCHERY_SERVICES:
+        env = raw["services"][name]["environment"]
+        leaked = sorted(k for k in env if k.startswith(API_PREFIX))
+        assert not leaked, f"{name} gets batchery serve's settings: {leaked}"
+    api = raw["services"]["api"]["environment"]
+    worker = raw["services"]["worker"]["environment"]
+    assert {k: v for k, v in api.items() if not k.startswith(API_PREFIX)} == worker  # the same broker, queue, model
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cpu"])
+def test_images_install_the_serve_extra(dockerfile):
+    runs = " ".join(rest for word, rest in dockerfile_instructions(ROOT / dockerfile) if word == "RUN")
+    assert re.search(r"pip install '\.\[[^\]]*\bserve\b[^\]]*\]'", runs), "the image must have batchery[serve]"
+    assert re.search(r"pip install '\.\[[^\]]*\bworker\b[^\]]*\]'", runs)
+
+
 def test_gpu_replicas_and_cpu_replicas_share_one_env_and_redis(services):
     envs = [services[n]["environment"] for n in BATCHERY_SERVICES]
     assert all(e == envs[0] for e in envs), "worker, worker-cpu and cli must see the same BATCHERY_* settings"
@@ -274,14 +326,28 @@ def test_gpu_replicas_and_cpu_replicas_share_one_env_and_redis(services):
 @pytest.mark.parametrize("name", BATCHERY_SERVICES)
 def test_every_worker_setting_can_be_set_from_dot_env(raw, name):
     env = raw["services"][name]["environment"]
-    missing = sorted(setting_env_names() - set(env))
+    missing = sorted(worker_setting_env_names() - set(env))
     assert not missing, (
         f"compose.yaml does not pass these settings to {name}; add them to x-batchery-env "
         f"(as `NAME:`, passed through from .env) and to .env.example: {missing}"
     )
     pending = set() if "send_events" in Settings.model_fields else {"BATCHERY_SEND_EVENTS"}
+    unknown = sorted(
+        {k for k in env if k.startswith("BATCHERY_")} - worker_setting_env_names() - COMPOSE_ONLY - pending
+    )
+    assert not unknown, f"compose.yaml sets variables no worker setting reads (typo, or an API key?): {unknown}"
+
+
+def test_every_api_setting_can_be_set_from_dot_env(raw):
+    env = raw["services"]["api"]["environment"]
+    missing = sorted(setting_env_names() - API_FIXED_BY_COMMAND - set(env))
+    assert not missing, f"compose.yaml does not pass these settings to the api service (x-api-env): {missing}"
+    assert not API_FIXED_BY_COMMAND & set(env), "the api's command sets --host and --port; the env would mislead"
+    pending = set() if "send_events" in Settings.model_fields else {"BATCHERY_SEND_EVENTS"}
     unknown = sorted({k for k in env if k.startswith("BATCHERY_")} - setting_env_names() - COMPOSE_ONLY - pending)
     assert not unknown, f"compose.yaml sets variables no Settings field reads (typo?): {unknown}"
+    # the keys come from .env or the shell, never from this file
+    assert env["BATCHERY_API__KEYS"] is None
 
 
 def test_pass_through_settings_keep_the_worker_defaults(raw):
@@ -476,6 +542,11 @@ def test_docker_compose_config_validates(docker_compose, project, compose):
     assert got["services"]["redis"]["ports"] == ["127.0.0.1:6379:6379/tcp"]
     # pass-through settings stay unset, so the worker's own defaults apply
     assert worker["environment"]["BATCHERY_MODEL"] is None
+    api = got["services"]["api"]
+    assert api["ports"] == ["127.0.0.1:8000:8000/tcp"]
+    assert api["environment"]["BATCHERY_API__KEYS"] is None  # unset: batchery serve refuses 0.0.0.0, saying why
+    assert api["environment"]["BATCHERY_API__STORAGE_DIR"] == "/files"
+    assert api["command"] == ["batchery", "serve", "--host", "0.0.0.0", "--port", "8000"]
 
 
 def test_docker_compose_config_validates_with_every_profile(docker_compose, project):
@@ -494,6 +565,10 @@ def test_docker_compose_config_takes_the_env_example_fully_uncommented(docker_co
     assert env["BATCHERY_ENGINE__KV_CACHE_MEMORY"] == entries["BATCHERY_ENGINE__KV_CACHE_MEMORY"]
     assert got["services"]["worker"]["stop_grace_period"] == entries["BATCHERY_STOP_GRACE_PERIOD"]
     assert got["services"]["redis"]["ports"] == [f"127.0.0.1:{entries['REDIS_HOST_PORT']}:6379/tcp"]
+    api = got["services"]["api"]
+    assert api["environment"]["BATCHERY_API__KEYS"] == entries["BATCHERY_API__KEYS"]
+    assert api["ports"] == [f"127.0.0.1:{entries['API_HOST_PORT']}:8000/tcp"]
+    assert "BATCHERY_API__KEYS" not in got["services"]["worker"]["environment"]
 
 
 def doc_compose_files() -> dict[str, str]:
