@@ -348,6 +348,72 @@ def test_bad_requests_are_refused_and_create_nothing(api, tmp_path):
         assert jobs_since(t0, f) == []
 
 
+# -- a submitter that dies mid-file ------------------------------------------------------------------------
+class StallingReader:
+    """The stored input file, read by a submitter that stops for good after ``lines`` lines (its API process
+    died mid-file, as far as anyone else can tell) until ``go`` is set: then it reads on, as a process that had
+    only stalled would."""
+
+    def __init__(self, path: Path, lines: int, go: threading.Event) -> None:
+        self.f = open(path, "rb")  # noqa: SIM115 - closed by the submitter's caller
+        self.left = lines
+        self.go = go
+
+    def readline(self, limit: int = -1) -> bytes:
+        if self.left == 0:
+            self.go.wait(60)
+        self.left -= 1
+        return self.f.readline(limit)
+
+    def read(self, n: int = -1) -> bytes:
+        return self.f.read(n)
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def test_a_submitter_that_died_mid_file_is_taken_over(api, tmp_path):
+    """The replica reading a batch's file stops after two of its chunks; once its heartbeat is stale, a retrieve
+    takes the submission over and goes on from the last chunk recorded: every line runs once, the total is exact,
+    and the old submitter, reading on later, is refused."""
+    svc = api.service
+    svc.chunk_size = 10
+    svc.resume_after_s = 2.0
+    n = 35
+    lines = [chat_line(f"r{i}", f"hello {i}") for i in range(n)]
+    lines[3] = chat_line("bad", messages=7)  # an error line in a recorded chunk: counted once
+    file_id = upload(api.a, tmp_path, lines)
+    go = threading.Event()
+    real = svc._open_source
+    calls = []
+
+    def open_source(tenant_id: str, fid: str):
+        calls.append(fid)
+        if len(calls) == 1:  # the create's submitter stalls after 25 lines (two chunks recorded)
+            return StallingReader(real(tenant_id, fid), 25, go)
+        return real(tenant_id, fid)
+
+    svc._open_source = open_source
+    try:
+        batch = api.a.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
+        store = svc.store
+        wait_for(lambda: store.max_line(batch.id) == 20, 10, what="two chunks recorded")
+        assert api.a.batches.retrieve(batch.id).status == "validating"  # the submitter is not stale yet
+        done = wait_end(api.a, batch.id, 120)  # a retrieve after 2 s takes it over
+        assert len(calls) == 2
+        assert done.status == "completed", done
+        assert done.request_counts.model_dump() == {"total": n, "completed": n - 1, "failed": 1}
+        output = jsonl(api.a, done.output_file_id)
+        assert [r["custom_id"] for r in output] == [f"r{i}" for i in range(n) if i != 3]
+        assert [e["custom_id"] for e in jsonl(api.a, done.error_file_id)] == ["bad"]
+    finally:
+        go.set()  # the old submitter reads on: its next chunk is refused (superseded)
+        svc.join(30)
+    st = store.status(batch.id)
+    assert st.request_counts.model_dump() == {"total": n, "completed": n - 1, "failed": 1}
+    assert store.max_line(batch.id) == n
+
+
 # -- two replicas ------------------------------------------------------------------------------------------
 def test_two_replicas_write_one_set_of_output_files(make_api, tmp_path):
     one, two = make_api(), make_api()

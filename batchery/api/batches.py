@@ -58,7 +58,7 @@ from batchery.contract.batch import ENDPOINTS, NOT_SERVED
 from batchery.contract.errors import InvalidRequest
 from batchery.contract.schemas import BatchJob
 from batchery.jobs.store import JobNotFound, JobStore, new_job_id
-from batchery.jobs.submit import Submitter, check_options
+from batchery.jobs.submit import DEFAULT_CHUNK, RESUME_AFTER_S, Submitter, check_options
 
 if TYPE_CHECKING:  # app.py imports this module to mount its router
     from batchery.api.app import ApiState
@@ -148,6 +148,9 @@ class Batches:
         self._refresh = self.r.register_script(_REFRESH)
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
+        self._resuming: set[str] = set()
+        self.chunk_size = DEFAULT_CHUNK
+        self.resume_after_s = RESUME_AFTER_S
 
     def close(self) -> None:
         if self.broker is not None:
@@ -187,10 +190,9 @@ class Batches:
                 f"uploaded with purpose {INPUT_PURPOSE!r}",
                 param="input_file_id",
             )
-        path = files.local_path(who.id, body.input_file_id)
-        source: Any = path if path is not None else files.open(who.id, body.input_file_id)
+        source = self._open_source(who.id, body.input_file_id)
         batch_id = new_job_id()
-        submitter = Submitter(self.store, self.broker, self.client.app, self.settings)
+        submitter = self._submitter()
         try:
             submitter.create(
                 job_id=batch_id,
@@ -227,6 +229,15 @@ class Batches:
             raise
         self._background(f"batchery-submit-{batch_id[-8:]}", self._submit, submitter, source)
         return self.view(batch_id, fields, job)
+
+    def _submitter(self) -> Submitter:
+        return Submitter(self.store, self.broker, self.client.app, self.settings, chunk_size=self.chunk_size)
+
+    def _open_source(self, tenant_id: str, file_id: str) -> Any:
+        """The stored input file for the submitter: its local path, or a binary reader (close it)."""
+        files = _files(self.state)
+        path = files.local_path(tenant_id, file_id)
+        return path if path is not None else files.open(tenant_id, file_id)
 
     def _submit(self, submitter: Submitter, source: Any) -> None:
         try:
@@ -280,15 +291,68 @@ class Batches:
         """The job's state, the window enforced (``expire`` once it has passed) and the output files started
         when it has ended. None: the job is gone (its TTL ran out)."""
         try:
-            job = self.store.status(batch_id)
-            if not job.is_terminal and job.window_ends_at is not None:
-                if self.store.expire(batch_id) != job.status:
-                    job = self.store.status(batch_id)
+            job = self.store.status(batch_id, repair=False)
+            if job.status == "validating":
+                self._resume_if_dead(batch_id, meta)
+            elif job.status in ("finalizing", "cancelling"):  # what a dead finalizer or canceller left
+                job = self.store.status(batch_id)
+            ends = job.window_ends_at
+            if not job.is_terminal and ends is not None and self.store.server_time() >= ends:
+                self.store.expire(batch_id)  # records the lines not started (their counts change, if not the status)
+                job = self.store.status(batch_id, repair=False)
         except JobNotFound:
             return None
         if job.is_terminal and not meta.get("files_done"):
             self._start_files(batch_id, meta, job)
         return job
+
+    def _resume_if_dead(self, batch_id: str, meta: dict[str, str]) -> None:
+        """A ``validating`` batch whose submitter stopped beating (the API replica reading its file died): this
+        replica takes the submission over, in a background thread, and goes on from the last chunk recorded
+        (``Submitter.resume``; of several replicas, one wins the take-over)."""
+        beat = self.r.hget(self.store.key(batch_id), "submit_beat")
+        if beat is None or self.store.server_time() - float(_s(beat)) <= self.resume_after_s:
+            return
+        with self._lock:
+            if batch_id in self._resuming:
+                return
+            self._resuming.add(batch_id)
+        self._background(f"batchery-resume-{batch_id[-8:]}", self._resume, batch_id, meta)
+
+    def _resume(self, batch_id: str, meta: dict[str, str]) -> None:
+        try:
+            try:
+                source = self._open_source(meta["tenant"], meta["input_file_id"])
+            except APIError:  # the input file was deleted meanwhile: the batch cannot go on
+                self.store.end_submit(
+                    batch_id,
+                    None,
+                    None,
+                    [
+                        {
+                            "code": "submission_interrupted",
+                            "message": "the API stopped reading the input file, which was deleted before the "
+                            "submission could go on",
+                            "line": None,
+                        }
+                    ],
+                    stale_s=self.resume_after_s,
+                )
+                return
+            submitter = self._submitter()
+            try:
+                if submitter.resume(
+                    batch_id, source, endpoint=meta["endpoint"], require_valid=True, stale_s=self.resume_after_s
+                ):
+                    log.warning("batch %s: its submitter had stopped; this API process went on with it", batch_id)
+            except Exception:  # noqa: BLE001 - the submitter has failed the job (submission_interrupted)
+                log.exception("batch %s: resuming its submission failed", batch_id)
+            finally:
+                if hasattr(source, "close"):
+                    source.close()
+        finally:
+            with self._lock:
+                self._resuming.discard(batch_id)
 
     def cancel(self, who: Tenant, batch_id: str) -> dict:
         self.meta(who, batch_id)  # the caller's, or a 404
@@ -368,7 +432,7 @@ class Batches:
             "error_file_id": meta.get("error_file_id") or None,
             "created_at": _ts(job.created_at),
             "in_progress_at": _ts(job.in_progress_at),
-            "expires_at": _ts(job.window_ends_at),
+            "expires_at": None if job.window_s is None else int(job.created_at) + int(job.window_s),
             "finalizing_at": _ts(finalizing_at),
             "completed_at": _ts(ended_at["completed_at"]),
             "failed_at": _ts(ended_at["failed_at"]),

@@ -10,7 +10,7 @@ Keys (``prefix`` is ``BATCHERY_BATCH__KEY_PREFIX``, default ``batchery:batch``):
     {prefix}:index          zset  job id, scored by creation time
 
 **TTL.** A job's keys never expire while it runs, however long that takes. When it ends (``completed``,
-``failed`` or ``cancelled``: the ``finish`` of the Lua prelude) the job hash and its records get the TTL
+``failed``, ``expired`` or ``cancelled``: the ``finish`` of the Lua prelude) the job hash and its records get the TTL
 (``BATCHERY_BATCH__TTL``), ``expires_at`` says when, and the leases and the ledger are deleted; a record
 written after the end (a line that finished just too late) inherits the job's TTL. ``create`` drops from the
 index the jobs older than the TTL whose keys have expired, and repairs (``status``) those that never ended, so
@@ -25,8 +25,10 @@ status or TTL. A hash that is no job (left by older code) raises ``JobMalformed`
 
 Every transition is one Lua script, so it is atomic against every other writer:
 
-- ``claim``: a worker may run a line only while the job is ``validating`` or ``in_progress`` and the
-  line has no record yet; it takes a lease on the line.
+- ``claim``: a worker may run a line only while the job is ``validating`` or ``in_progress``, the
+  line has no record yet and the job's completion window (if any) has not ended; it takes a lease on the line.
+  After the window's end the claim writes the line's ``batch_expired`` record itself (counted as failed, once,
+  like any record) and answers ``expired``, so the task skips it.
 - ``write``: ``HSETNX`` of the record and, only if it was new, the counter increments and ``progress_at``
   (server time; lost-line recovery looks at jobs quiet for a while), all in one script (and the line leaves the
   ``pending`` ledger). A redelivered or retried request can never
@@ -37,6 +39,14 @@ Every transition is one Lua script, so it is atomic against every other writer:
   (or ``failed``, with a job-level error).
 - ``cancel``: -> ``cancelling``; ``cancelled`` once no line holds a lease (the last running line
   releases it, or the lease outlived its deadline because its worker died).
+- ``expire`` (the completion window, OpenAI's ``completion_window``): once the window has ended (``window_ends_at``,
+  server time, ``created_at`` + ``window_s``), every line in the ``pending`` ledger without a record and without a
+  live lease is recorded ``batch_expired``, a piece at a time, under a per-job lock (``{job}:expiring``, with a
+  TTL) so that API replicas polling the same job do not all scan it. Lines running when the window ended finish
+  and keep their results. ``finalize`` makes a job with any ``batch_expired`` line ``expired``, not ``completed``.
+- ``take_over``: a ``validating`` job whose submitter stopped beating gets a new submitter token; the old one's
+  ``chunk`` and ``end_submit`` are refused (``superseded``) from then on, so two submitters never both count a
+  chunk (``batchery.jobs.submit``'s ``Submitter.resume``).
 
 ``status`` also repairs what a dead process left behind: a job stuck in ``finalizing`` (its
 finalizer died) is finalized, a ``cancelling`` one re-checks its leases, and a ``validating`` one
@@ -164,13 +174,14 @@ return unended
 """
 )
 
-# KEYS: job, results, running, pending   ARGV: number of new lines, max line
-# Returns the status (nil: no job; nothing is written then).
+# KEYS: job, results, running, pending   ARGV: number of new lines, max line, the submitter's token ('': any)
+# Returns the status (nil: no job; 'superseded': another submitter took the job over; nothing is written then).
 _CHUNK = (
     _PRELUDE
     + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return false end
+if ARGV[3] and ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'submitter') ~= ARGV[3] then return 'superseded' end
 if tonumber(ARGV[1]) > 0 then redis.call('HINCRBY', KEYS[1], 'total', ARGV[1]) end
 redis.call('HSET', KEYS[1], 'max_line', ARGV[2], 'submit_beat', server_now())
 return status
@@ -268,12 +279,14 @@ return 'cancelling'
 
 # KEYS: job, results, running, pending
 # ARGV: total ('' keeps), max_line ('' keeps), ttl, errors JSON ('' = none),
-#       stale seconds ('' = now; else only if the submitter has not beaten for that long: the repair)
+#       stale seconds ('' = now; else only if the submitter has not beaten for that long: the repair),
+#       the submitter's token ('' = any; else 'superseded' if another submitter took the job over)
 _END_SUBMIT = (
     _PRELUDE
     + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'gone' end
+if ARGV[6] and ARGV[6] ~= '' and redis.call('HGET', KEYS[1], 'submitter') ~= ARGV[6] then return 'superseded' end
 local now = server_now()
 if ARGV[5] ~= '' then
   if status ~= 'validating' then return status end
@@ -294,6 +307,23 @@ if num(KEYS[1], 'completed') + num(KEYS[1], 'failed') >= num(KEYS[1], 'total') t
   return 'finalizing'
 end
 return 'in_progress'
+"""
+)
+
+# KEYS: job, results, running, pending   ARGV: stale seconds, the new submitter's token
+# A validating job whose submitter has not beaten for the stale seconds gets a new submitter (the token); the old
+# one's chunks and end are refused from now on. Returns {1, total, max_line}, or {0, status}.
+_TAKE_OVER = (
+    _PRELUDE
+    + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return {0, 'gone'} end
+if status ~= 'validating' then return {0, status} end
+local now = server_now()
+local beat = tonumber(redis.call('HGET', KEYS[1], 'submit_beat') or '0') or 0
+if tonumber(now) - beat <= tonumber(ARGV[1]) then return {0, status} end
+redis.call('HSET', KEYS[1], 'submitter', ARGV[2], 'submit_beat', now)
+return {1, num(KEYS[1], 'total'), num(KEYS[1], 'max_line')}
 """
 )
 
@@ -448,6 +478,7 @@ class JobStore:
         self._finalize = self.r.register_script(_FINALIZE)
         self._expire = self.r.register_script(_EXPIRE)
         self._unlock = self.r.register_script(_UNLOCK)
+        self._take_over = self.r.register_script(_TAKE_OVER)
         self._expire_malformed = self.r.register_script(_EXPIRE_MALFORMED)
 
     # -- keys -------------------------------------------------------------------------------------
@@ -479,11 +510,13 @@ class JobStore:
         timeout: float | None = None,
         priority: int = 0,
         window_s: float | None = None,
+        submitter: str | None = None,
     ) -> None:
         """A new ``validating`` job. Its keys do not expire until it ends; ``created_at`` is server time.
         ``window_s``: its completion window, from ``created_at`` (server time): lines not started by then are
         recorded ``batch_expired`` instead of running (``claim``, ``expire``). Prunes the index of jobs that have
-        expired, and repairs old ones that never ended (a dead submitter)."""
+        expired, and repairs old ones that never ended (a dead submitter). ``submitter``: a token the submitter
+        passes with each chunk and its end, so that one ``take_over`` replaced is refused."""
         window_s = check_window(window_s)
         fields = {
             "id": job_id,
@@ -501,6 +534,7 @@ class JobStore:
             "timeout": "" if timeout is None else repr(float(timeout)),
             "priority": int(priority),
             "window_s": "" if window_s is None else repr(window_s),
+            "submitter": submitter or "",
         }
         args: list = [job_id, self.ttl, self.prefix]
         for k, v in fields.items():
@@ -512,11 +546,21 @@ class JobStore:
             except JobNotFound:
                 pass
 
-    def queue_chunk(self, pipe, job_id: str, num_requests: int, max_line: int) -> None:
+    def queue_chunk(self, pipe, job_id: str, num_requests: int, max_line: int, token: str | None = None) -> None:
         """Add to ``pipe`` the bookkeeping of one submitted chunk: the running total, the last line
         seen, a heartbeat (server time); its reply is the status (None: the job is gone, and nothing was
-        written), so the submitter notices a cancel or a lost job."""
-        self._chunk(keys=self.keys(job_id), args=[int(num_requests), int(max_line)], client=pipe)
+        written; ``"superseded"``: ``token`` is no longer the job's submitter), so the submitter notices a cancel,
+        a lost job or a take-over."""
+        self._chunk(keys=self.keys(job_id), args=[int(num_requests), int(max_line), token or ""], client=pipe)
+
+    def take_over(self, job_id: str, stale_s: float, token: str) -> tuple[int, int] | None:
+        """Become the submitter of a ``validating`` job whose submitter has not beaten for ``stale_s`` seconds
+        (server time): ``(total, max_line)`` so far, from which the new one goes on (the old one's next chunk
+        or end is refused); None when the job is not validating or its submitter is alive."""
+        answer = self._take_over(keys=self.keys(job_id), args=[repr(float(stale_s)), token])
+        if int(answer[0]) != 1:
+            return None
+        return int(answer[1]), int(answer[2])
 
     def ledger_in(self, pipe, job_id: str, messages: list[tuple[int, str]]) -> None:
         """Add to ``pipe`` the copies of a chunk's task messages, by line, for ``batchery.jobs.recover``
@@ -569,10 +613,12 @@ class JobStore:
         errors: list[dict] | None = None,
         *,
         stale_s: float | None = None,
+        token: str | None = None,
     ) -> str:
         """Close the submission: the final total, then ``in_progress`` (or ``failed`` with
         ``errors``). Returns the new status (``"gone"``: no such job); finalizes at once if every line is
-        already done. With ``stale_s``, only if the submitter has not beaten for that long (server time)."""
+        already done. With ``stale_s``, only if the submitter has not beaten for that long (server time). With
+        ``token``, only if it is still the job's submitter (else ``"superseded"``)."""
         status = _s(
             self._end_submit(
                 keys=self.keys(job_id),
@@ -582,6 +628,7 @@ class JobStore:
                     self.ttl,
                     json.dumps(errors) if errors else "",
                     "" if stale_s is None else repr(float(stale_s)),
+                    token or "",
                 ],
             )
         )

@@ -19,6 +19,9 @@ endpoint, as in OpenAI's API) a line whose ``url`` is another one is an error li
 
 ``run`` is ``create`` (validate the options, create the ``validating`` job) and then ``submit`` (stream the
 input); the HTTP API calls the two apart, so that its create call returns while the file is still being read.
+``resume`` goes on with the submission of a job whose submitter died mid-file (an API replica restarted): it takes
+the job over (the submitter's token fences the old one off), reads the file again from the start, skips the lines
+already recorded (``max_line``) and submits the rest.
 
 A job that vanishes from Redis during the submission (deleted, or Redis flushed or replaced) raises
 ``JobNotFound``: nothing is written to it any more, so no malformed job is left behind."""
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -51,6 +55,7 @@ MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
 DEFAULT_CHUNK = 1000
 FIRST_ERRORS = 10  # line errors a job that fails with no_valid_lines reports
+RESUME_AFTER_S = 30.0  # a validating job whose submitter has not beaten for this long may be taken over
 
 
 def check_options(timeout, priority, metadata) -> tuple[float | None, int, dict[str, str]]:
@@ -153,6 +158,7 @@ class Submitter:
         timeout, priority, metadata = check_options(timeout, priority, metadata)
         window = check_window(completion_window)
         job_id = job_id or new_job_id()
+        token = uuid.uuid4().hex
         self.store.create(
             job_id,
             queue=self.settings.queue,
@@ -162,8 +168,35 @@ class Submitter:
             timeout=timeout,
             priority=priority,
             window_s=window,
+            submitter=token,
         )
+        self._setup(job_id, token, timeout, priority, endpoint, require_valid)
+        return job_id
+
+    def resume(
+        self, job_id: str, source, *, endpoint: str | None = None, require_valid: bool = False, stale_s=RESUME_AFTER_S
+    ) -> bool:
+        """Go on with the submission of a ``validating`` job whose submitter died (no heartbeat for ``stale_s``
+        seconds, server time; an API replica restarted mid-file): take it over (``JobStore.take_over``: the old
+        submitter, if it was only stalled, is refused from then on), read ``source`` (the same file: a path or a
+        binary file object) again, skip the lines the old one recorded (they still count toward duplicates and
+        validity) and submit the rest. Lines of a chunk it recorded but did not enqueue are in the pending
+        ledger, where lost-line recovery finds them. ``endpoint`` and ``require_valid`` must be the original's.
+        False: the job needed no new submitter (not validating, or its submitter is alive)."""
+        token = uuid.uuid4().hex
+        done = self.store.take_over(job_id, stale_s, token)
+        if done is None:
+            return False
+        job = self.store.status(job_id, repair=False)
+        self._setup(job_id, token, job.timeout, job.priority, endpoint, require_valid)
+        self.total, self.max_line = done
+        self.skip_through = self.max_line
+        self.submit(source)
+        return True
+
+    def _setup(self, job_id: str, token: str, timeout, priority: int, endpoint, require_valid: bool) -> None:
         self.job_id = job_id
+        self.token = token
         self.endpoint = endpoint
         self.require_valid = require_valid
         self.builder = (
@@ -172,9 +205,9 @@ class Submitter:
             else None
         )
         self.kwargs = {"timeout": timeout, "priority": priority}
-        self.total = self.max_line = self.valid = 0
+        self.total = self.max_line = self.valid = self.skip_through = 0
         self.first_errors: list[LineError] = []
-        return job_id
+        self.superseded = False
 
     def submit(self, source) -> str:
         """Stream ``source`` into the job made by ``create``; returns the job id (its status tells how it went).
@@ -212,7 +245,7 @@ class Submitter:
                 + (f"; the first {len(self.first_errors)} errors follow" if self.first_errors else ""),
                 self.first_errors,
             )
-        if self.store.end_submit(job_id, self.total, self.max_line) == "gone":
+        if self.store.end_submit(job_id, self.total, self.max_line, token=self.token) == "gone":
             raise self._vanished()
         return job_id
 
@@ -236,6 +269,9 @@ class Submitter:
         messages: list = []
         errors: list[LineError] = []
         for item in items:
+            if item.line <= self.skip_through:  # recorded by the submitter this one took over from
+                self._classify(item)
+                continue
             if self.total + len(messages) + len(errors) >= max_lines:
                 if self._flush(messages, errors):
                     return True
@@ -243,27 +279,34 @@ class Submitter:
                     "too_many_lines", f"the input has more than {max_lines} request lines (BATCHERY_BATCH__MAX_LINES)"
                 )
                 return True
-            if isinstance(item, BatchLine) and self.endpoint is not None and item.url != self.endpoint:
-                item = LineError(
-                    item.line,
-                    item.custom_id,
-                    UNSUPPORTED_URL,
-                    f"url {item.url!r} is not the batch's endpoint {self.endpoint!r}: every line of a batch "
-                    "goes to its endpoint",
-                )
+            item = self._classify(item)
             if isinstance(item, BatchLine):
                 messages.append((item.line, self._message(item)))
-                self.valid += 1
             else:
                 errors.append(item)
-                if len(self.first_errors) < FIRST_ERRORS:
-                    self.first_errors.append(item)
             self.max_line = item.line
             if len(messages) + len(errors) >= self.chunk_size:
                 if self._flush(messages, errors):
                     return True
                 messages, errors = [], []
         return self._flush(messages, errors)
+
+    def _classify(self, item: BatchLine | LineError) -> BatchLine | LineError:
+        """The line as this job takes it (another url than the batch's endpoint is an error line), counted
+        toward ``valid`` and the first errors."""
+        if isinstance(item, BatchLine) and self.endpoint is not None and item.url != self.endpoint:
+            item = LineError(
+                item.line,
+                item.custom_id,
+                UNSUPPORTED_URL,
+                f"url {item.url!r} is not the batch's endpoint {self.endpoint!r}: every line of a batch "
+                "goes to its endpoint",
+            )
+        if isinstance(item, BatchLine):
+            self.valid += 1
+        elif len(self.first_errors) < FIRST_ERRORS:
+            self.first_errors.append(item)
+        return item
 
     def _message(self, item: BatchLine):
         kwargs = {
@@ -288,14 +331,18 @@ class Submitter:
                 self.store.write_in(p, self.job_id, e.line, line_error_record(self.job_id, e), failed=True)
             if self.builder is not None:  # the ledger, before the messages: see batchery.jobs.recover
                 self.store.ledger_in(p, self.job_id, messages)
-            self.store.queue_chunk(p, self.job_id, n, self.max_line)
+            self.store.queue_chunk(p, self.job_id, n, self.max_line, self.token)
             status = p.execute()[-1]
         self.total += n
         status = status.decode() if isinstance(status, bytes) else status
         if status is None:  # nothing of the chunk was written: the job is gone, so is the submission
             raise self._vanished()
+        if status == "superseded":  # another submitter took the job over (this one had stalled): it goes on
+            self.total -= n
+            self.superseded = True
+            return True
         if status in STOPPED_STATUSES:
-            self.store.end_submit(self.job_id, self.total, self.max_line)
+            self.store.end_submit(self.job_id, self.total, self.max_line, token=self.token)
             return True
         if messages:
             if self.builder is not None:
@@ -330,7 +377,7 @@ class Submitter:
         errors: list[dict] = [{"code": code, "message": message, "line": None}]
         errors += [{"code": e.code, "message": e.message, "line": e.line} for e in lines or ()]
         try:
-            self.store.end_submit(self.job_id, self.total, self.max_line, errors)
+            self.store.end_submit(self.job_id, self.total, self.max_line, errors, token=self.token)
         except Exception:  # noqa: BLE001 - reporting the failure must not hide the original error
             pass
         return self.job_id
