@@ -339,7 +339,7 @@ def test_restarting_the_api_mid_job_loses_nothing(tiny_worker, redis_urls, tmp_p
             interval=0.5,
             what="the batch to end",
         )
-        assert done.status == "completed", done
+        assert done.status == "completed", f"{done.status}: {done.errors}\n{proc.log()[-3000:]}"
         assert done.request_counts.total == n and done.request_counts.completed == n
         lines = sdk.files.content(done.output_file_id).text.splitlines()
         assert sorted(json.loads(x)["custom_id"] for x in lines) == sorted(f"r{i}" for i in range(n))

@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from batchery.api.auth import Keys, Tenant
+from batchery.api.auth import Keys, tenant
 from batchery.api.errors import APIError, too_large
 from batchery.contract.settings import Settings
 
@@ -42,9 +42,7 @@ def state(request: Request) -> ApiState:
     return request.app.state.batchery
 
 
-def tenant(request: Request) -> Tenant:
-    """Dependency: the caller's tenant (401 in OpenAI's shape for a missing or wrong key)."""
-    return state(request).keys.tenant(request.headers.get("authorization"))
+__all__ = ["ApiState", "BodyLimit", "create_app", "state", "tenant"]  # tenant: batchery.api.auth's, re-exported
 
 
 # (method, path) of the bodies BodyLimit leaves alone: uploads, bounded by BATCHERY_API__MAX_FILE_BYTES in files.py

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass
+from typing import Any
 
 from batchery.api.errors import unauthorized
 
@@ -47,3 +48,9 @@ class Keys:
         if not ok:
             raise unauthorized()
         return Tenant(tenant_id(given.decode("utf-8")))
+
+
+def tenant(request: Any) -> Tenant:
+    """Dependency: the caller's tenant (401 in OpenAI's shape for a missing or wrong key). It lives here, not in
+    ``app``, so the routers that use it need not import the module that mounts them."""
+    return request.app.state.batchery.keys.tenant(request.headers.get("authorization"))

@@ -32,15 +32,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
-from batchery.api.app import ApiState, state, tenant
-from batchery.api.auth import Tenant
+from batchery.api.auth import Tenant, tenant
 from batchery.api.errors import APIError, invalid
 from batchery.broker import presence
 from batchery.client import Client, Handle
@@ -58,6 +57,9 @@ from batchery.contract.errors import (
 from batchery.contract.responses import ResponsesRequest
 from batchery.contract.schemas import ChatCompletionRequest, CompletionRequest, describe_validation_error
 from batchery.contract.settings import Settings, mask_url, queue_for_model
+
+if TYPE_CHECKING:  # app.py imports this module to mount its router
+    from batchery.api.app import ApiState
 
 log = logging.getLogger("batchery.api.inference")
 
@@ -284,7 +286,7 @@ def _failed(path: str, queue: str, error: APIError) -> APIError:
 
 
 async def answer(request: Request, path: str) -> JSONResponse:
-    st = state(request)
+    st: ApiState = request.app.state.batchery
     endpoint = ENDPOINTS[path]
     body = await read_json_object(request)
     validate(endpoint.schema, body)

@@ -7,14 +7,16 @@ model runs on that model's queue (``inference.Inference.route``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Request
 
-from batchery.api.app import state, tenant
-from batchery.api.auth import Tenant
+from batchery.api.auth import Tenant, tenant
 from batchery.api.errors import APIError
 from batchery.api.inference import inference_of
+
+if TYPE_CHECKING:  # app.py imports this module to mount its router
+    from batchery.api.app import ApiState
 
 router = APIRouter()
 
@@ -39,7 +41,7 @@ def model_objects(live: dict[str, list[dict[str, Any]]], own_model: str, own_que
 
 
 async def _models(request: Request) -> list[dict[str, Any]]:
-    st = state(request)
+    st: ApiState = request.app.state.batchery
     live = await inference_of(st).live()
     if live is None:
         raise APIError(503, "cannot tell which workers are live: the broker does not answer", code="broker_unavailable")
