@@ -8,7 +8,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass
-from typing import Any
+
+from starlette.requests import Request
 
 from batchery.api.errors import unauthorized
 
@@ -50,7 +51,7 @@ class Keys:
         return Tenant(tenant_id(given.decode("utf-8")))
 
 
-def tenant(request: Any) -> Tenant:
+def tenant(request: Request) -> Tenant:
     """Dependency: the caller's tenant (401 in OpenAI's shape for a missing or wrong key). It lives here, not in
     ``app``, so the routers that use it need not import the module that mounts them."""
     return request.app.state.batchery.keys.tenant(request.headers.get("authorization"))
