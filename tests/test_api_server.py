@@ -21,6 +21,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,7 +42,7 @@ from api_util import (  # noqa: E402
     running_api,
     serve_env,
 )
-from conftest import REPO, wait_for  # noqa: E402
+from conftest import REPO, free_port, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.integration  # uvicorn servers, batchery serve processes and the tiny worker
 
@@ -128,6 +129,19 @@ def test_models_list_names_the_live_workers_model(sdk, tiny_worker):
     assert exc.value.code == "model_not_found"
 
 
+def test_models_list_names_the_servers_own_model_while_its_queue_has_a_worker(tiny_worker, redis_urls, tmp_path):
+    settings = api_settings(redis_urls, tmp_path, queue=tiny_worker.queue, model="my-alias-for-tiny")
+    with running_api(settings) as base_url:
+        sdk = openai_client(base_url)
+        ids = [m.id for m in sdk.models.list().data]
+        assert "my-alias-for-tiny" in ids and tiny_worker.env["BATCHERY_MODEL"] in ids
+        r = sdk.chat.completions.create(model="my-alias-for-tiny", messages=HELLO, max_tokens=2)
+        assert r.model == tiny_worker.env["BATCHERY_MODEL"]  # it ran on the server's queue: the tiny worker
+    settings = api_settings(redis_urls, tmp_path, queue="batchery-test-nobody-consumes-this", model="nobody-serves-me")
+    with running_api(settings) as base_url:
+        assert "nobody-serves-me" not in [m.id for m in openai_client(base_url).models.list().data]
+
+
 def test_a_request_naming_a_served_model_runs_on_its_queue(sdk, tiny_worker):
     served = tiny_worker.env["BATCHERY_MODEL"]
     r = sdk.chat.completions.create(model=served, messages=HELLO, max_tokens=4, temperature=0)
@@ -145,6 +159,33 @@ def test_a_wrong_key_is_an_authentication_error(server):
     status, body = raw_post(server, "/v1/chat/completions", b"{}", {"Authorization": ""})
     assert status == 401 and "API key" in body["error"]["message"]
     assert openai_client(server, KEY_B).models.list().data  # either key works
+
+
+def test_a_key_sees_only_its_own_files_and_batches(server):
+    if not _batches_served():
+        pytest.skip("POST /v1/batches is not served yet (batchery/api/batches.py)")
+    a, b = openai_client(server, KEY_A), openai_client(server, KEY_B)
+    line = {
+        "custom_id": "x",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"messages": HELLO, "max_tokens": 2},
+    }
+    up = a.files.create(file=("in.jsonl", (json.dumps(line) + "\n").encode()), purpose="batch")
+    batch = a.batches.create(input_file_id=up.id, endpoint="/v1/chat/completions", completion_window="24h")
+    for call in (
+        lambda: b.files.retrieve(up.id),
+        lambda: b.files.content(up.id),
+        lambda: b.files.delete(up.id),
+        lambda: b.batches.retrieve(batch.id),
+        lambda: b.batches.cancel(batch.id),
+        lambda: b.batches.create(input_file_id=up.id, endpoint="/v1/chat/completions", completion_window="24h"),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert up.id not in [f.id for f in b.files.list()]
+    assert batch.id not in [x.id for x in b.batches.list()]
+    assert a.batches.retrieve(batch.id).id == batch.id and a.files.retrieve(up.id).id == up.id
 
 
 # -- bad bodies ---------------------------------------------------------------------------------------------
@@ -237,6 +278,65 @@ def test_a_wait_past_the_request_timeout_is_504(tiny_worker, redis_urls, tmp_pat
         assert exc.value.status_code == 504
         assert exc.value.code == "timeout" and "0.01" in exc.value.message
         assert exc.value.response.headers.get("x-should-retry") == "false"
+
+
+def _answers(url: str) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server on PATH")
+def test_a_broker_outage_is_503_at_once_and_the_server_recovers(tmp_path):
+    """Redis gone: 503 broker_unavailable at once (not a 500, not a wait); Redis back: requests go through
+    again on the same server."""
+    import redis
+
+    from batchery.broker import presence
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+
+    def start_redis() -> subprocess.Popen:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(lambda: _answers(url), 15, what="the private redis-server")
+        # a worker as presence sees one; nothing consumes, so a request runs into the request timeout
+        presence.announce(redis.Redis.from_url(url), "batchery-test-outage", "fake@test", {"model": "fake"}, 600)
+        return proc
+
+    proc = start_redis()
+    settings = api_settings((url, url), tmp_path, queue="batchery-test-outage", request_timeout=1)
+    try:
+        with running_api(settings, drop_keys=False) as base_url:
+            sdk = openai_client(base_url)
+
+            def status() -> tuple[int, str | None]:
+                try:
+                    sdk.chat.completions.create(model="fake", messages=HELLO, max_tokens=2)
+                except openai.APIStatusError as exc:
+                    return exc.status_code, exc.code
+                return 200, None
+
+            assert status() == (504, "timeout")  # sent and waited for: the send path works
+            proc.kill()
+            proc.wait(10)
+            # the first request may still be sent (presence is cached for 2 s) and wait on Celery's reconnects
+            wait_for(lambda: status() == (503, "broker_unavailable"), 60, interval=0.2, what="a 503")
+            t0 = time.monotonic()
+            assert status() == (503, "broker_unavailable")
+            with pytest.raises(openai.InternalServerError) as exc:
+                sdk.models.list()
+            assert exc.value.status_code == 503 and exc.value.code == "broker_unavailable"
+            assert time.monotonic() - t0 < 3  # at once, from then on
+            proc = start_redis()
+            wait_for(lambda: status() == (504, "timeout"), 60, interval=0.5, what="the server to send again")
+    finally:
+        proc.kill()
+        proc.wait(10)
 
 
 # -- batchery serve, the command ------------------------------------------------------------------------

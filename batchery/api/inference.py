@@ -42,6 +42,7 @@ from starlette.background import BackgroundTask
 from batchery.api.auth import Tenant, tenant
 from batchery.api.errors import APIError, invalid
 from batchery.broker import presence
+from batchery.broker.connection import is_redis_url
 from batchery.client import Client, Handle
 from batchery.contract.errors import (
     BatcheryError,
@@ -131,6 +132,18 @@ class Inference:
         if not candidates or self.default_queue in candidates:
             return self.default_queue
         return candidates[0]
+
+    def discard(self, queue: str, client: Client) -> None:
+        """Drop ``client`` (its broker or result-store connection failed): the next request builds a fresh one,
+        as Celery's result consumer may refuse to reconnect once its retries are spent."""
+        with self._lock:
+            if self._clients.get(queue) is client:
+                del self._clients[queue]
+        self._live = None  # read presence again: while the broker is down that is a fast 503 for the next request
+        try:
+            client.close()
+        except Exception:  # noqa: BLE001 - it is broken already
+            log.debug("closing a broken client failed", exc_info=True)
 
     def close(self) -> None:
         with self._lock:
@@ -260,10 +273,12 @@ def _worker_error(exc: BaseException, endpoint: Endpoint, timeout: float, note: 
 
 
 def _broker_errors() -> tuple[type[BaseException], ...]:
+    """What a broker or result store that does not answer raises through Celery: Redis' and kombu's errors,
+    socket errors, and Celery's RuntimeError once its result consumer has spent its reconnection retries."""
     from kombu.exceptions import OperationalError
     from redis.exceptions import RedisError
 
-    return (RedisError, OperationalError, ConnectionError, OSError)
+    return (RedisError, OperationalError, ConnectionError, OSError, RuntimeError)
 
 
 async def _wait(handle: Handle, timeout: float) -> Any:
@@ -293,10 +308,15 @@ async def answer(request: Request, path: str) -> JSONResponse:
     inf = inference_of(st)
     live = await inf.live()
     queue = inf.route(body.get("model"), live)
+    settings = st.settings
+    if live is None and is_redis_url(settings.broker_url):
+        # presence is read from the broker: when that fails, sending would only wait on the same Redis
+        raise APIError(
+            503, f"the queue's broker ({mask_url(settings.broker_url)}) does not answer", code="broker_unavailable"
+        )
     note = None if live is None else presence.absence_note(live, queue)
     if note:
         raise _no_worker(note)
-    settings = st.settings
     timeout = settings.api.request_timeout
     deadline = min(timeout, settings.max_task_timeout)
     client = inf.client(queue)
@@ -305,7 +325,8 @@ async def answer(request: Request, path: str) -> JSONResponse:
     except InvalidRequest as exc:  # the client's own checks (the body passed ours)
         raise invalid(str(exc)) from None
     except _broker_errors() as exc:
-        raise _broker_down(settings, exc) from None
+        inf.discard(queue, client)
+        raise _failed(path, queue, _broker_down(settings, exc)) from None
     try:
         value = await _wait(handle, timeout)
     except BatcheryError as exc:  # before OSError: ResultTimeout is a TimeoutError
@@ -315,6 +336,7 @@ async def answer(request: Request, path: str) -> JSONResponse:
             now_note = None if live is None else presence.absence_note(live, queue)
         raise _failed(path, queue, _worker_error(exc, endpoint, timeout, now_note)) from None
     except _broker_errors() as exc:
+        inf.discard(queue, client)
         raise _failed(path, queue, _broker_down(settings, exc)) from None
     except Exception as exc:  # noqa: BLE001 - a worker exception Celery rebuilt as another type
         raise _failed(path, queue, _worker_error(exc, endpoint, timeout, None)) from None
