@@ -5,11 +5,13 @@ a real uvicorn server on a socket, in front of the session's tiny-model worker.
 - The SDK parses every answer (``chat.completions.create``, ``completions.create``, ``responses.create``
   and its ``output_text``, ``models.list``/``retrieve``), and the answers are the worker's: at
   temperature 0 the same text as the Python client gets through the queue.
-- A wrong or missing key is ``openai.AuthenticationError``; a bad body is ``openai.BadRequestError``
+- A wrong or missing key is ``openai.AuthenticationError``; a key sees only its own files and batches
+  (``openai.NotFoundError`` for the other key's); a bad body is ``openai.BadRequestError``
   naming the field (``param`` too); ``stream: true`` says batchery serve does not stream; a body over
   ``BATCHERY_API__MAX_BODY_BYTES`` is a 413 (with or without a Content-Length); a prompt over the
   model's context is ``context_length_exceeded``; no worker on the queue is a 503 saying so at once;
-  a wait past ``BATCHERY_API__REQUEST_TIMEOUT`` is a 504.
+  a wait past ``BATCHERY_API__REQUEST_TIMEOUT`` is a 504; a Redis outage is a 503 at once, and the same
+  server sends again once Redis is back.
 - ``batchery serve`` as a process: refuses a non-loopback host without keys, says it is local and
   unauthenticated, answers the SDK with keys and never logs them, stops cleanly on SIGTERM; without a
   broker it brings up the embedded Redis and worker and leaves no process behind; the light install
