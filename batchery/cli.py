@@ -136,7 +136,16 @@ def _print_job(job) -> None:
     print(f"input:     {job.input_file or '(iterable)'}")
     ends = [
         (name, getattr(job, f"{name}_at"))
-        for name in ("started", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled")
+        for name in (
+            "started",
+            "in_progress",
+            "finalizing",
+            "completed",
+            "failed",
+            "expired",
+            "cancelling",
+            "cancelled",
+        )
     ]
     print(f"created:   {_ts(job.created_at)}" + "".join(f"; {n} {_ts(t)}" for n, t in ends if t is not None))
     if job.expires_at is not None:
@@ -195,7 +204,7 @@ def _batch_submit_run(args: argparse.Namespace) -> int:
                 + "".join(f"; {e.code}: {e.message}" for e in job.errors),
                 file=sys.stderr,
             )
-    return 1 if job.status in ("failed", "cancelled") else 0
+    return 1 if job.status in ("failed", "expired", "cancelled") else 0
 
 
 def _batch_id_args(description: str):
