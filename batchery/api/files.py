@@ -21,7 +21,6 @@ deleted (``ZRANGE ... BYLEX``). Another tenant's file is a 404 exactly like a mi
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import secrets
@@ -43,6 +42,7 @@ from batchery.api.auth import Tenant
 from batchery.api.errors import APIError, invalid, not_found
 from batchery.api.storage import FileStorage, LocalStorage, ObjectTooLarge, ObjectWriter
 from batchery.broker.connection import redis_from_url
+from batchery.contract.batch import json_type, loads
 
 if TYPE_CHECKING:
     from batchery.api.app import ApiState
@@ -172,32 +172,14 @@ class JsonlCheck:
         if self.line == 1 and text.startswith("\ufeff"):
             text = text[1:]
         try:
-            obj = json.loads(text, parse_constant=_refuse_constant)
+            obj = loads(text)
         except RecursionError:
             return "invalid JSON: nested too deeply"
         except ValueError as exc:
             return f"invalid JSON: {str(exc)[:200]}"
         if not isinstance(obj, dict):
-            return f"got {_json_type(obj)}"
+            return f"got {json_type(obj)}"
         return None
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _json_type(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "a boolean"
-    if isinstance(v, (int, float)):
-        return "a number"
-    if isinstance(v, str):
-        return "a string"
-    if isinstance(v, list):
-        return "an array"
-    return type(v).__name__
 
 
 class Files:

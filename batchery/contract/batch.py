@@ -94,7 +94,8 @@ def _refuse_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _loads(raw: bytes | str) -> Any:
+def loads(raw: bytes | str) -> Any:
+    """JSON as batch lines take it: NaN and Infinity are refused (not valid JSON)."""
     return json.loads(raw, parse_constant=_refuse_constant)
 
 
@@ -114,7 +115,7 @@ def parse_line(
         text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw  # UTF-8 only, as OpenAI
         if line == 1 and text.startswith("\ufeff"):  # a byte-order mark some editors write
             text = text[1:]
-        obj = _loads(text)
+        obj = loads(text)
     except RecursionError:
         return LineError(line, None, INVALID_JSON, "invalid JSON: nested too deeply")
     except UnicodeDecodeError as exc:
@@ -136,10 +137,10 @@ def too_large(line: int, size: int, max_line_bytes: int) -> LineError:
 def parse_object(obj: Any, line: int, seen: set[str] | None = None) -> BatchLine | LineError:
     """A decoded line (or an item of an iterable submission) -> a request or an error record."""
     if not isinstance(obj, dict):
-        return LineError(line, None, INVALID_LINE, f"expected a JSON object, got {_json_type(obj)}")
+        return LineError(line, None, INVALID_LINE, f"expected a JSON object, got {json_type(obj)}")
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
-        what = "missing" if custom_id is None else f"must be a non-empty string, got {_json_type(custom_id)}"
+        what = "missing" if custom_id is None else f"must be a non-empty string, got {json_type(custom_id)}"
         if custom_id == "":
             what = "must not be empty"
         return LineError(line, None, MISSING_CUSTOM_ID, f"custom_id {what}")
@@ -176,7 +177,7 @@ def parse_object(obj: Any, line: int, seen: set[str] | None = None) -> BatchLine
         return LineError(line, custom_id, UNSUPPORTED_URL, f"url must be one of {supported}, got {_short(url)}")
     body = obj.get("body")
     if not isinstance(body, dict):
-        return LineError(line, custom_id, INVALID_BODY, f"body must be a JSON object, got {_json_type(body)}")
+        return LineError(line, custom_id, INVALID_BODY, f"body must be a JSON object, got {json_type(body)}")
     try:
         schema.model_validate(body)
     except ValidationError as exc:
@@ -268,7 +269,8 @@ def line_error_record(job_id: str, err: LineError) -> dict:
     return error_record(job_id, err.line, err.custom_id, err.code, err.message)
 
 
-def _json_type(v: Any) -> str:
+def json_type(v: Any) -> str:
+    """How an error message names a JSON value's type."""
     if v is None:
         return "null"
     if isinstance(v, bool):
@@ -288,5 +290,5 @@ def _short(v: Any, limit: int = 80) -> str:
     try:
         s = json.dumps(v)
     except (TypeError, ValueError, RecursionError):
-        s = _json_type(v)
+        s = json_type(v)
     return s if len(s) <= limit else s[: limit - 3] + "..."
