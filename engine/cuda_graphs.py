@@ -9,7 +9,18 @@ at start-up and replays it afterwards:
   context lengths) sized for the largest bucket;
 - a decode step with ``n`` sequences copies its inputs into the first ``n`` rows and pads the
   rest of its bucket with rows that store nothing (slot -1) and attend to nothing (context 0);
-- it replays the bucket's graph and samples from the first ``n`` rows of the graph's logits.
+- it replays the bucket's graph and samples from the first ``n`` rows of the logits.
+
+Every graph writes its logits into the first rows of one shared output buffer sized for the
+largest bucket (nano-vllm's ``outputs[:bs] = model(...)``). A graph's output is memory the graph
+owns for as long as it lives, so one logits tensor per graph would keep the sum of all bucket
+sizes x vocab alive (0.83 GB for a 49k vocabulary at 512 sequences, 2.2 GB at 128k); with the
+copy into the shared buffer, each capture's own logits is a temporary of the graphs' common
+pool, freed before the next (smaller) capture reuses that memory. The alternative, graphs that
+stop at the hidden states with the LM head run eagerly on the real rows, would also skip the
+padding rows' LM head, but it splits every model's forward in two and would skip whatever a
+model does after its LM head (logit soft-capping, logit scaling); the copy keeps the model's own
+forward whole, at the cost of one [bs, vocab] copy inside the graph.
 
 Prefill and mixed steps, and decode batches above the largest bucket, run eagerly. Capture runs
 only on CUDA with the Triton attention backend; where CUDA graphs are missing or capture fails,
@@ -41,6 +52,14 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes) | {max_num_seqs})
 
 
+def logits_bytes(sizes: list[int], vocab: int, elem_size: int, shared: bool = True) -> int:
+    """Bytes of logits the captured graphs keep alive: one buffer for the largest bucket when
+    ``shared``, else (one output per graph, as before) the sum over the buckets. A pure function,
+    so the saving can be checked where no graph can be captured."""
+    rows = max(sizes) if shared else sum(sizes)
+    return rows * vocab * elem_size
+
+
 class DecodeGraphs:
     """Static input buffers for decode batches of up to ``max_num_seqs`` sequences, and (with
     ``capture``) one CUDA graph of ``forward`` per batch-size bucket. ``kv_caches`` and ``backend``
@@ -69,13 +88,17 @@ class DecodeGraphs:
         self.slots = torch.full((n,), -1, dtype=torch.long, device=dev)  # [n]
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)  # [n, width]
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)  # [n]
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # [n, vocab] every bucket's logits land in (the first bs rows); allocated by the first
+        # forward, which gives the LM head's real width and dtype
+        self.logits: torch.Tensor | None = None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_runs = 0  # decode steps run through the static buffers
         if capture:
             self._capture_all()
 
     def _forward_bucket(self, bs: int) -> torch.Tensor:
-        """The model on the first ``bs`` rows of the static buffers; returns [bs, vocab] logits."""
+        """The model on the first ``bs`` rows of the static buffers, its logits copied into the
+        first ``bs`` rows of the shared output buffer; returns that [bs, vocab] view."""
         md = AttentionMetadata(
             slot_mapping=self.slots[:bs],
             num_decode_tokens=bs,
@@ -84,7 +107,12 @@ class DecodeGraphs:
             kv_caches=self.kv_caches,
             backend=self.backend,
         )
-        return self.model_forward(self.input_ids[:, :bs], self.positions[:, :bs], md)
+        logits = self.model_forward(self.input_ids[:, :bs], self.positions[:, :bs], md)
+        if self.logits is None:
+            self.logits = torch.empty(self.max_size, logits.shape[-1], dtype=logits.dtype, device=logits.device)
+        out = self.logits[:bs]
+        out.copy_(logits)
+        return out
 
     def _capture_all(self) -> None:
         """One graph per bucket, largest first, all in one memory pool (a smaller bucket's
@@ -97,8 +125,8 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward_bucket(bs)
-            self.graphs[bs] = (graph, logits)
+                self._forward_bucket(bs)  # the model's own logits: a pool temporary, freed here
+            self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
         log.info(
             "captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s",
@@ -122,9 +150,8 @@ class DecodeGraphs:
         self.slots[n:bs].fill_(-1)
         self.context_lens[n:bs].zero_()
         self.num_runs += 1
-        if bs in self.graphs:
-            graph, logits = self.graphs[bs]
+        graph = self.graphs.get(bs)
+        if graph is not None and self.logits is not None:
             graph.replay()
-        else:
-            logits = self._forward_bucket(bs)
-        return logits[:n]
+            return self.logits[:n]
+        return self._forward_bucket(bs)[:n]

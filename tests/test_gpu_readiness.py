@@ -1,0 +1,95 @@
+"""The GPU path's memory and host-copy structure (issue 17), checked on the CPU.
+
+The decode CUDA graphs cannot be captured here, so what the capture depends on is kept testable
+without it: the logits buffer's size is a pure function, the static-buffer path runs with
+``capture=False`` (the graphs' inputs and outputs, the same code as on CUDA), and a dropped engine
+is checked to free its KV pool without a GC pass.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_scalar_index(monkeypatch):
+    """triton-lang/triton#9171 in the CPU interpreter (see tests/test_triton_kernels.py)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
+
+
+def _config(tiny_model_dir, **kw):
+    from batchery.engine.config import EngineConfig
+
+    base = dict(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        device=DEVICE,
+        block_size=4,
+        max_num_seqs=6,
+        attention_backend="triton",
+    )
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def test_shared_logits_buffer_bytes():
+    """One logits buffer for all graphs: at 512 sequences and SmolLM2's 49152-token vocabulary in
+    bf16, the graphs kept 0.83 GB of logits (the sum of the bucket sizes x vocab); now the size of
+    the largest bucket's, 50 MB."""
+    from batchery.engine.cuda_graphs import bucket_sizes, logits_bytes
+
+    sizes = bucket_sizes(512)
+    assert sum(sizes) == 8463
+    before = logits_bytes(sizes, 49152, 2, shared=False)
+    after = logits_bytes(sizes, 49152, 2)
+    assert before == 8463 * 49152 * 2 == 831_946_752
+    assert after == 512 * 49152 * 2 == 50_331_648
+    assert logits_bytes(bucket_sizes(512), 128256, 2, shared=False) > 2.1e9  # a 128k vocabulary
+
+
+def test_decode_graphs_share_one_logits_buffer(tiny_model_dir):
+    """Every bucket's logits are rows of one [max_size, vocab] buffer: the batch shrinks through
+    the buckets 4 -> 2 -> 1 and every step's logits start at the buffer's first row."""
+    from batchery.engine.llm_engine import LLMEngine
+    from batchery.engine.loader import load_model
+    from batchery.engine.sampling import SamplingParams
+
+    config = _config(tiny_model_dir)
+    eng = LLMEngine(config, loaded=load_model(config))
+    graphs = eng.runner.build_decode_graphs(capture=False)
+    eng.runner.graphs = graphs
+    seen: list[tuple[int, int]] = []
+    run = graphs.run
+
+    def watched(p):
+        out = run(p)
+        seen.append((out.shape[0], out.data_ptr()))
+        return out
+
+    graphs.run = watched
+    for i in range(4):
+        eng.add_request(str(i), [5, 9, 14, 20 + i], SamplingParams(temperature=0, max_tokens=2 + i, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    assert graphs.logits is not None
+    assert tuple(graphs.logits.shape) == (graphs.max_size, eng.runner.vocab_size)
+    assert {n for n, _ in seen} >= {4, 2, 1}
+    assert {ptr for _, ptr in seen} == {graphs.logits.data_ptr()}
