@@ -212,6 +212,117 @@ def test_decode_ignores_blocks_outside_the_table():
     assert torch.equal(before, after)
 
 
+# Contexts far shorter than a max_model_len-wide table (8192 tokens in 1024 blocks of 8), in one
+# batch: a padding row, one token, a partial tile, several tiles, exactly one and exactly 64
+# blocks (a tile and a block boundary), and one past that boundary.
+_WIDE_CONTEXTS = [0, 1, 7, 100, 64, 512, 513]
+_WIDE_BLOCKS = 1024
+
+
+def _wide_table(context_lens, block_size, gen):
+    table, num_blocks = _block_tables(context_lens, block_size, gen)
+    wide = torch.zeros(len(context_lens), _WIDE_BLOCKS, dtype=torch.int32, device=DEVICE)
+    wide[:, : table.shape[1]] = table
+    return wide, num_blocks
+
+
+def _expected_partitions(ctx, window, num_splits, block_n):
+    """[(lo, hi)] of the partitions that hold keys: the span cut into num_splits whole tiles."""
+    start = max(ctx - window, 0) if window else 0
+    span = ctx - start
+    part = max(triton.cdiv(triton.cdiv(span, num_splits), block_n), 1) * block_n
+    return [(lo, min(lo + part, ctx)) for lo in range(start, ctx, part)]
+
+
+@pytest.mark.parametrize("num_splits", [1, 4, 16])
+@pytest.mark.parametrize("sliding_window,softcap", [(None, None), (50, 30.0)])
+def test_decode_splits_follow_real_context_not_table_width(num_splits, sliding_window, softcap):
+    """Each partition's bounds come from the sequence's own context: with a table 8192 tokens wide
+    a 513-token context still spreads over the partitions, a span of one tile is finished by
+    partition 0 alone, and partitions past the span neither write partials nor get read (they are
+    NaN here, which any read would carry into the output)."""
+    from batchery.engine.attention.triton_attention import _decode_config
+
+    gen = torch.Generator().manual_seed(8)
+    block_size, num_heads, num_kv_heads, head_dim, scale = 8, 4, 2, 32, 0.2
+    table, num_blocks = _wide_table(_WIDE_CONTEXTS, block_size, gen)
+    assert table.shape[1] * block_size == 8192
+    k_cache, v_cache = _cache(num_blocks, block_size, num_kv_heads, head_dim, torch.float32, gen)
+    n = len(_WIDE_CONTEXTS)
+    q = torch.randn(n, num_heads, head_dim, generator=gen).to(DEVICE)
+    ctx = torch.tensor(_WIDE_CONTEXTS, dtype=torch.int32, device=DEVICE)
+    part_out = torch.full((n, num_heads, num_splits, head_dim), float("nan"), device=DEVICE)
+    part_m = torch.full((n, num_heads, num_splits), float("nan"), device=DEVICE)
+    part_l = part_m.clone()
+
+    out = paged_decode_attention(
+        q, k_cache, v_cache, table, ctx, scale, sliding_window, softcap, num_splits, partials=(part_out, part_m, part_l)
+    )
+    expected = ref_paged_decode_attention(q, k_cache, v_cache, table, ctx, scale, sliding_window, softcap)
+    _assert_close(out, expected, torch.float32)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    if num_splits == 1:
+        assert part_out.isnan().all() and part_m.isnan().all()  # the split path was not taken
+        return
+
+    block_n, _ = _decode_config(triton.next_power_of_2(head_dim), torch.float32)
+    group = num_heads // num_kv_heads
+    for i, c in enumerate(_WIDE_CONTEXTS):
+        bounds = _expected_partitions(c, sliding_window, num_splits, block_n)
+        written = [] if len(bounds) <= 1 else bounds  # one partition: finished in place
+        for s in range(num_splits):
+            if s >= len(written):
+                assert part_out[i, :, s].isnan().all(), (c, s)
+                assert part_m[i, :, s].isnan().all() and part_l[i, :, s].isnan().all(), (c, s)
+                continue
+            lo, hi = written[s]
+            pos = torch.arange(lo, hi, device=DEVICE)
+            rows = table[i].long()[pos // block_size] * block_size + pos % block_size
+            k = k_cache.view(-1, num_kv_heads, head_dim)[rows].repeat_interleave(group, 1)
+            v = v_cache.view(-1, num_kv_heads, head_dim)[rows].repeat_interleave(group, 1)
+            scores = torch.einsum("hd,khd->hk", q[i], k) * scale
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            top = scores.max(-1).values
+            torch.testing.assert_close(part_m[i, :, s], top * 1.4426950408889634, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(part_l[i, :, s], torch.exp(scores - top[:, None]).sum(-1), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(
+                part_out[i, :, s], torch.einsum("hk,khd->hd", scores.softmax(-1), v), atol=1e-4, rtol=1e-4
+            )
+    # Without a window the 513-token context fills 9 of 16 partitions of 64 keys (4 of 4 of
+    # 160); cut by the table's width, every key would sit in partition 0.
+    if sliding_window is None:
+        assert len(_expected_partitions(513, None, num_splits, block_n)) == {4: 4, 16: 9}[num_splits]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_split_decode_over_a_wide_table(dtype):
+    _skip_unless_backend_dots(dtype)
+    gen = torch.Generator().manual_seed(9)
+    block_size, num_heads, num_kv_heads, head_dim = 16, 8, 2, 64
+    table, num_blocks = _wide_table(_WIDE_CONTEXTS, block_size, gen)
+    k_cache, v_cache = _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, gen)
+    q = torch.randn(len(_WIDE_CONTEXTS), num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    ctx = torch.tensor(_WIDE_CONTEXTS, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    expected = ref_paged_decode_attention(q, k_cache, v_cache, table, ctx, scale, softcap=30.0)
+    for num_splits in (1, 5, 16):
+        out = paged_decode_attention(q, k_cache, v_cache, table, ctx, scale, softcap=30.0, num_splits=num_splits)
+        _assert_close(out, expected, dtype)
+
+
+def test_decode_rejects_partials_of_the_wrong_shape():
+    k_cache = torch.zeros(2, 8, 1, 32, device=DEVICE)
+    q = torch.zeros(1, 2, 32, device=DEVICE)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    ctx = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    stats = torch.zeros(1, 2, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="partials out"):
+        paged_decode_attention(
+            q, k_cache, k_cache.clone(), table, ctx, 1.0, num_splits=4, partials=(stats, stats, stats)
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # prefill
 # --------------------------------------------------------------------------------------------

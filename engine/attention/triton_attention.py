@@ -119,6 +119,37 @@ def _gather_kv_offsets(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _decode_split_bounds(  # type: ignore[no-untyped-def]
+    ctx,
+    sliding_window,
+    split,
+    num_splits,
+    HAS_WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Key range ``[lo, hi)`` of partition ``split`` of one sequence, and how many partitions
+    hold keys (``n_valid``).
+
+    The partition size comes from the sequence's own attended span (its context, or its window),
+    not from the block table's width: under CUDA graphs the table is ``max_model_len`` wide, and
+    splitting that width would leave every partition but the first empty. ``num_splits`` stays a
+    launch-time constant (the grid is shapes only, so graphs stay capturable); partitions at or
+    past ``n_valid`` get an empty range. The decode and the reduce kernels both call this, so they
+    agree on which partitions exist without the partitions having to say so in memory.
+    """
+    start = 0
+    if HAS_WINDOW:
+        start = tl.maximum(ctx - sliding_window, 0)
+    span = ctx - start
+    # Whole BLOCK_N tiles per partition; at least one, so a span of 0 still divides.
+    part = tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N), 1) * BLOCK_N
+    n_valid = tl.cdiv(span, part)
+    lo = start + split * part
+    hi = tl.minimum(lo + part, ctx)
+    return lo, hi, n_valid
+
+
+@triton.jit
 def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see above)
     q_ptr,
     k_cache_ptr,
@@ -126,6 +157,7 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see 
     block_tables_ptr,
     context_lens_ptr,
     out_ptr,
+    part_out_ptr,
     part_m_ptr,
     part_l_ptr,
     scale,
@@ -136,8 +168,11 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see 
     stride_q_dim,
     stride_o_seq,
     stride_o_head,
-    stride_o_split,
     stride_o_dim,
+    stride_p_seq,
+    stride_p_head,
+    stride_p_split,
+    stride_p_dim,
     stride_c_blk,
     stride_c_off,
     stride_c_head,
@@ -148,7 +183,6 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see 
     num_splits,
     head_dim,
     block_size,
-    partition_size,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -171,19 +205,20 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see 
     g_mask = offs_g < num_queries_per_kv
     d_mask = offs_d < head_dim
 
+    if USE_SPLIT:
+        lo, hi, n_valid = _decode_split_bounds(ctx, sliding_window, split, num_splits, HAS_WINDOW, BLOCK_N)
+    else:
+        lo = 0
+        if HAS_WINDOW:
+            lo = tl.maximum(ctx - sliding_window, 0)
+        hi = ctx
+
+    # An empty range (context 0, or a partition past the span) loads nothing, not even q.
     q = tl.load(
         q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :] * stride_q_dim,
-        mask=g_mask[:, None] & d_mask[None, :],
+        mask=g_mask[:, None] & d_mask[None, :] & (lo < hi),
         other=0.0,
     )  # [BLOCK_G, BLOCK_D]
-
-    lo = 0
-    hi = ctx
-    if HAS_WINDOW:
-        lo = tl.maximum(ctx - sliding_window, 0)
-    if USE_SPLIT:
-        lo = tl.maximum(lo, split * partition_size)
-        hi = tl.minimum(hi, (split + 1) * partition_size)
 
     m_i = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -229,15 +264,22 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see 
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    # An empty range (context 0, or a partition past the context) leaves l_i == 0: emit zeros.
+    # An empty range (context 0) leaves l_i == 0: emit zeros.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_offs = seq * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :] * stride_o_dim
     o_mask = g_mask[:, None] & d_mask[None, :]
     if USE_SPLIT:
-        tl.store(out_ptr + o_offs + split * stride_o_split, out, mask=o_mask)
+        # A span that fits one partition (or is empty) is finished here by partition 0, in the
+        # output dtype, and the reduce kernel skips the sequence; otherwise each partition that
+        # holds keys leaves float32 partials. Partitions past the span write nothing at all.
+        direct = (n_valid <= 1) & (split == 0)
+        partial = (n_valid > 1) & (split < n_valid)
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=o_mask & direct)
+        p_offs = seq * stride_p_seq + heads[:, None] * stride_p_head + offs_d[None, :] * stride_p_dim
+        tl.store(part_out_ptr + p_offs + split * stride_p_split, out, mask=o_mask & partial)
         stat_offs = (seq * num_heads + heads) * num_splits + split
-        tl.store(part_m_ptr + stat_offs, m_i, mask=g_mask)
-        tl.store(part_l_ptr + stat_offs, l_i, mask=g_mask)
+        tl.store(part_m_ptr + stat_offs, m_i, mask=g_mask & partial)
+        tl.store(part_l_ptr + stat_offs, l_i, mask=g_mask & partial)
     else:
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
@@ -247,7 +289,9 @@ def _decode_reduce_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see
     part_out_ptr,
     part_m_ptr,
     part_l_ptr,
+    context_lens_ptr,
     out_ptr,
+    sliding_window,
     stride_p_seq,
     stride_p_head,
     stride_p_split,
@@ -260,19 +304,28 @@ def _decode_reduce_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see
     head_dim,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
-    """Merges per-partition softmax results (flash-decoding) into the final output."""
+    """Merges per-partition softmax results (flash-decoding) into the final output.
+
+    Only the partitions that hold keys are read (the same bounds as the decode kernel, from the
+    context length); a sequence whose span fitted one partition was finished by the decode
+    kernel and is skipped, so its row of ``out`` is left as written."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    ctx = tl.load(context_lens_ptr + seq)
+    _lo, _hi, n_valid = _decode_split_bounds(ctx, sliding_window, 0, num_splits, HAS_WINDOW, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_splits
+    merge = n_valid > 1
+    s_mask = (offs_s < n_valid) & merge
     d_mask = offs_d < head_dim
 
     stat_offs = (seq * num_heads + head) * num_splits + offs_s
     m = tl.load(part_m_ptr + stat_offs, mask=s_mask, other=_NEG_BIG)
     l_part = tl.load(part_l_ptr + stat_offs, mask=s_mask, other=0.0)
-    w = tl.exp2(m - tl.max(m, 0)) * l_part  # [BLOCK_S]; empty partitions weigh 0
+    w = tl.exp2(m - tl.max(m, 0)) * l_part  # [BLOCK_S]; unread partitions weigh 0
     o = tl.load(
         part_out_ptr
         + seq * stride_p_seq
@@ -287,7 +340,7 @@ def _decode_reduce_kernel(  # type: ignore[no-untyped-def]  # Triton kernel (see
     tl.store(
         out_ptr + seq * stride_o_seq + head * stride_o_head + offs_d * stride_o_dim,
         out.to(out_ptr.dtype.element_ty),
-        mask=d_mask,
+        mask=d_mask & merge,
     )
 
 
@@ -508,6 +561,30 @@ def _decode_num_splits(query: torch.Tensor, num_kv_heads: int, max_context: int)
     return max(1, min(_MAX_DECODE_SPLITS, by_length, triton.cdiv(target, programs)))
 
 
+def _split_buffers(
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    num_seqs: int,
+    num_heads: int,
+    num_splits: int,
+    head_dim: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The float32 flash-decoding partials: the caller's, checked, or new (uninitialised: the
+    kernels read only what they wrote)."""
+    stat_shape = (num_seqs, num_heads, num_splits)
+    if partials is None:
+        part_out = torch.empty(*stat_shape, head_dim, dtype=torch.float32, device=device)
+        part_m = torch.empty(stat_shape, dtype=torch.float32, device=device)
+        return part_out, part_m, torch.empty_like(part_m)
+    for name, t, shape in zip(("out", "max", "sum"), partials, ((*stat_shape, head_dim), stat_shape, stat_shape)):
+        if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous() or t.device != device:
+            raise ValueError(
+                f"partials {name} must be a contiguous float32 {shape} tensor on {device}, "
+                f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+            )
+    return partials
+
+
 def store_kvcache(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -558,6 +635,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     num_splits: int | None = None,
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One new query token per sequence against its cached context.
 
@@ -565,7 +643,15 @@ def paged_decode_attention(
     tokens in the cache, the last of which is the query token itself. Returns
     ``[num_seqs, num_heads, head_dim]`` in the query's dtype; a sequence with context 0 gets
     zeros. ``num_splits`` forces the number of context partitions (flash-decoding); by default
-    it is chosen from the shapes alone, so the call never synchronises with the device.
+    it is chosen from the shapes alone, so the call never synchronises with the device and a
+    captured graph stays valid for any context lengths. Each sequence's span is cut into
+    ``num_splits`` equal whole-tile partitions inside the kernel, from its own context length;
+    partitions past the span do no work and write nothing.
+
+    ``partials`` optionally supplies the float32 split buffers (``out`` ``[num_seqs, num_heads,
+    num_splits, head_dim]``, then max and sum ``[num_seqs, num_heads, num_splits]``, contiguous)
+    instead of allocating them per call; only partitions that hold keys of a sequence whose
+    span needs more than one partition are written.
     """
     num_queries_per_kv = _check_attention_args(query, k_cache, v_cache, block_tables, context_lens)
     num_seqs, num_heads, head_dim = query.shape
@@ -586,18 +672,14 @@ def paged_decode_attention(
         num_splits = _decode_num_splits(query, num_kv_heads, max_context)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    partition_size = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     use_split = num_splits > 1
 
     if use_split:
-        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
-        part_m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
-        part_l = torch.empty_like(part_m)
-        dst, dst_strides = part_out, part_out.stride()
+        part_out, part_m, part_l = _split_buffers(partials, num_seqs, num_heads, num_splits, head_dim, query.device)
+        part_strides = part_out.stride()
     else:
-        part_m = part_l = out  # unused by the kernel
-        dst = out
-        dst_strides = (out.stride(0), out.stride(1), 0, out.stride(2))
+        part_out = part_m = part_l = out  # unused by the kernel
+        part_strides = (0, 0, 0, 0)
 
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
@@ -605,14 +687,16 @@ def paged_decode_attention(
         v_cache,
         block_tables,
         context_lens,
-        dst,
+        out,
+        part_out,
         part_m,
         part_l,
         float(scale),
         cap,
         window,
         *query.stride(),
-        *dst_strides,
+        *out.stride(),
+        *part_strides,
         *k_cache.stride(),
         block_tables.stride(0),
         num_queries_per_kv,
@@ -620,7 +704,6 @@ def paged_decode_attention(
         num_splits,
         head_dim,
         block_size,
-        partition_size,
         BLOCK_G=block_g,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
@@ -635,7 +718,9 @@ def paged_decode_attention(
             part_out,
             part_m,
             part_l,
+            context_lens,
             out,
+            window,
             *part_out.stride(),
             *out.stride(),
             num_heads,
@@ -643,6 +728,8 @@ def paged_decode_attention(
             head_dim,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
+            BLOCK_N=block_n,  # the decode kernel's: both derive the partitions from it
+            HAS_WINDOW=sliding_window is not None,
             num_warps=4,
         )
     return out
