@@ -9,6 +9,7 @@ replayed from CUDA graphs captured at start-up (``batchery.engine.cuda_graphs``)
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 from typing import Any
@@ -125,6 +126,11 @@ class ModelRunner:
         if c.kv_cache_memory is not None:
             budget = c.kv_cache_memory
         elif self.device.type == "cuda":
+            # An engine dropped just before (a rebuild, a test) may still be held by a reference
+            # cycle somewhere, and the caching allocator keeps what was freed: let both go, or the
+            # old KV pool counts as used and this one is sized from what is left beside it.
+            gc.collect()
+            torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * GPU_KV_FRACTION)
         else:
