@@ -295,6 +295,62 @@ def test_decode_splits_follow_real_context_not_table_width(num_splits, sliding_w
         assert len(_expected_partitions(513, None, num_splits, block_n)) == {4: 4, 16: 9}[num_splits]
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts loads inside the Triton interpreter")
+def test_decode_partitions_past_the_span_load_nothing(monkeypatch):
+    """Counts, per program, the K/V and partial elements the kernels actually load (the
+    interpreter's masked loads, by address): every key is read once, by the partition whose
+    in-kernel bounds hold it, partitions past the span read no K/V at all, and the reduce reads
+    the float32 partials of the partitions that hold keys only, none for a span of one tile."""
+    from collections import Counter
+
+    from triton.runtime import interpreter
+
+    from batchery.engine.attention.triton_attention import _decode_config
+
+    gen = torch.Generator().manual_seed(10)
+    block_size, num_heads, num_kv_heads, head_dim, num_splits = 8, 4, 2, 32, 16
+    contexts = [7, 100, 513]
+    table, num_blocks = _wide_table(contexts, block_size, gen)
+    k_cache, v_cache = _cache(num_blocks, block_size, num_kv_heads, head_dim, torch.float32, gen)
+    q = torch.randn(len(contexts), num_heads, head_dim, generator=gen)
+    ctx = torch.tensor(contexts, dtype=torch.int32)
+    part_out = torch.empty(len(contexts), num_heads, num_splits, head_dim)
+    part_m = torch.empty(len(contexts), num_heads, num_splits)
+    partials = (part_out, part_m, torch.empty_like(part_m))
+
+    regions = {"k": k_cache, "v": v_cache, "part_out": part_out}
+    loaded: Counter[tuple[str, tuple[int, int, int]]] = Counter()
+    original = interpreter.InterpreterBuilder.create_masked_load
+
+    def counting_load(self, ptrs, mask, *args):
+        addrs = ptrs.data[mask.data.astype(bool)]
+        for name, t in regions.items():
+            lo = t.data_ptr()
+            n = int(((addrs >= lo) & (addrs < lo + t.numel() * t.element_size())).sum())
+            if n:
+                loaded[name, self.grid_idx] += n
+        return original(self, ptrs, mask, *args)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", counting_load)
+    out = paged_decode_attention(q, k_cache, v_cache, table, ctx, 0.2, num_splits=num_splits, partials=partials)
+    monkeypatch.undo()
+    _assert_close(out, ref_paged_decode_attention(q, k_cache, v_cache, table, ctx, 0.2), torch.float32)
+
+    block_n, _ = _decode_config(triton.next_power_of_2(head_dim), torch.float32)
+    for i, c in enumerate(contexts):
+        bounds = _expected_partitions(c, None, num_splits, block_n)
+        for h in range(num_kv_heads):
+            for s in range(num_splits):
+                keys = bounds[s][1] - bounds[s][0] if s < len(bounds) else 0
+                assert loaded["k", (i, h, s)] == keys * head_dim, (c, h, s)
+                assert loaded["v", (i, h, s)] == keys * head_dim, (c, h, s)
+        for head in range(num_heads):  # the reduce grid is (seq, head, 0)
+            merged = len(bounds) if len(bounds) > 1 else 0
+            assert loaded["part_out", (i, head, 0)] == merged * head_dim, (c, head)
+    # 7 keys: one program of 16 does the work; 513 keys: nine of 64, none of them all 513.
+    assert [len(_expected_partitions(c, None, num_splits, block_n)) for c in contexts] == [1, 4, 9]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_split_decode_over_a_wide_table(dtype):
     _skip_unless_backend_dots(dtype)
