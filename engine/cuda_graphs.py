@@ -29,14 +29,16 @@ path without graphs, which is how the CPU tests check the padding and buffer log
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from batchery.engine.attention.metadata import AttentionMetadata
-from batchery.engine.packed_step import PackedStep, padded_tables
+from batchery.engine.packed_step import PackedStep
 
 log = logging.getLogger("batchery.engine.graphs")
 
@@ -83,11 +85,26 @@ class DecodeGraphs:
         self.sizes = bucket_sizes(max_num_seqs)
         self.max_size = self.sizes[-1]
         n, dev = self.max_size, device
-        self.input_ids = torch.zeros(1, n, dtype=torch.long, device=dev)  # [1, n]
-        self.positions = torch.zeros(1, n, dtype=torch.long, device=dev)  # [1, n]
-        self.slots = torch.full((n,), -1, dtype=torch.long, device=dev)  # [n]
+        # the graphs' inputs: token ids, positions and slots are the rows of one [3, n] tensor, so
+        # that one copy moves all three
+        self.long_inputs = torch.zeros(3, n, dtype=torch.long, device=dev)
+        self.long_inputs[2].fill_(-1)
+        self.input_ids = self.long_inputs[0:1]  # [1, n]
+        self.positions = self.long_inputs[1:2]  # [1, n]
+        self.slots = self.long_inputs[2]  # [n]
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)  # [n, width]
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)  # [n]
+        # Persistent host copies of those buffers, filled in place through numpy each step and sent
+        # with non-blocking copies. Pinned on CUDA: a copy from pageable memory is staged through a
+        # driver buffer and blocks the host until it is done, five times a step; from pinned memory
+        # it is one DMA the host does not wait for. ``staged`` marks the copies' completion on the
+        # stream, so the host never rewrites a buffer a copy may still be reading.
+        pin = dev.type == "cuda"
+        self.host_long = torch.zeros(3, n, dtype=torch.long, pin_memory=pin)
+        self.host_long[2].fill_(-1)
+        self.host_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+        self.host_lens = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
+        self.staged: torch.cuda.Event | None = torch.cuda.Event() if pin else None
         # [n, vocab] every bucket's logits land in (the first bs rows); allocated by the first
         # forward, which gives the LM head's real width and dtype
         self.logits: torch.Tensor | None = None
@@ -137,21 +154,49 @@ class DecodeGraphs:
         )
 
     def run(self, p: PackedStep) -> torch.Tensor:
-        """One decode-only step of ``n <= max_size`` sequences; returns their [n, vocab] logits."""
+        """One decode-only step of ``n <= max_size`` sequences; returns their [n, vocab] logits, a
+        view of the shared buffer that the next step overwrites (sample from it before then)."""
         n = len(p.input_ids)
         bs = next(s for s in self.sizes if s >= n)
-        bt = padded_tables(p.decode_tables, torch.int32)
-        self.input_ids[0, :n].copy_(torch.tensor(p.input_ids, dtype=torch.long))
-        self.positions[0, :n].copy_(torch.tensor(p.positions, dtype=torch.long))
-        self.slots[:n].copy_(torch.tensor(p.slots, dtype=torch.long))
-        self.context_lens[:n].copy_(torch.tensor(p.decode_lens, dtype=torch.int32))
-        self.block_tables[:n, : bt.shape[1]].copy_(bt)
-        # padding rows: an earlier, larger batch left real slots and lengths there
-        self.slots[n:bs].fill_(-1)
-        self.context_lens[n:bs].zero_()
+        self.stage(p, bs)
         self.num_runs += 1
         graph = self.graphs.get(bs)
         if graph is not None and self.logits is not None:
             graph.replay()
             return self.logits[:n]
         return self._forward_bucket(bs)[:n]
+
+    def stage(self, p: PackedStep, bs: int) -> None:
+        """The step's inputs into the first ``bs`` rows of the static buffers: written into the
+        host buffers, then three non-blocking copies. Rows ``n:bs`` are padding (slot -1, context
+        0), since an earlier, larger batch left real slots and lengths there."""
+        n = len(p.input_ids)
+        if self.staged is not None:
+            self.staged.synchronize()  # the previous step's copies have read the host buffers
+        hl = self.host_long.numpy()
+        hl[0, :n] = p.input_ids
+        hl[1, :n] = p.positions
+        hl[2, :n] = p.slots
+        hl[2, n:bs] = -1
+        lens = self.host_lens.numpy()
+        lens[:n] = p.decode_lens
+        lens[n:bs] = 0
+        fill_tables(self.host_tables.numpy(), p.decode_tables)
+        self.long_inputs[:, :bs].copy_(self.host_long[:, :bs], non_blocking=True)
+        self.context_lens[:bs].copy_(self.host_lens[:bs], non_blocking=True)
+        self.block_tables[:n].copy_(self.host_tables[:n], non_blocking=True)
+        if self.staged is not None:
+            self.staged.record()
+
+
+def fill_tables(out: np.ndarray, tables: list[list[int]]) -> None:
+    """Block tables into the first rows of ``out`` [rows, width], each zero-padded to the longest
+    (columns past it keep what an earlier step left: no kernel reads past a row's context).
+    Through numpy, as ``packed_step.padded_tables``, but into a persistent buffer."""
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    width = int(lens.max())
+    view = out[: len(tables), :width]
+    view.fill(0)
+    view[np.arange(width)[None, :] < lens[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(tables), dtype=out.dtype, count=int(lens.sum())
+    )
