@@ -4,14 +4,24 @@ sampled token.
 
 The order, per step: the model's log-softmax (for logprobs: they stay the model's distribution),
 then ``logit_bias`` on the raw logits, then the grammar masks of the constrained rows, then
-penalties, the ``min_tokens`` ban, temperature and the filters. Everything per row that the host
-knows (biases, banned tokens) goes to the device as one flattened tensor and lands with one
-``index_put_``; rows without a bias, a grammar or a ban cost nothing."""
+penalties, the ``min_tokens`` ban, temperature and the filters.
+
+No per-row device work (issue 17): everything per row that the host knows (biases, banned tokens,
+penalised token lists, the sampled rows' temperatures and filters, the rows that want logprobs) is
+built on the host as flattened (row, token) lists and goes to the device in ONE copy (``_Upload``);
+each lands with one ``index_put_``/``index_add_``; the logprobs are one gather and ONE ``topk``
+(k = the largest N asked); everything the host needs back (tokens, logprobs, top ids and values)
+comes in ONE ``.tolist()``, the step's only sync. The one per-row launch left is ``exponential_``
+for each seeded row: each request's ``torch.Generator`` must draw the same numbers in the same
+order as before, so that a fixed seed keeps its output, and a generator draws only by itself.
+Rows without a bias, a grammar or a ban cost nothing."""
 
 from __future__ import annotations
 
 import os
 import sys
+from array import array
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +50,41 @@ def _bit_table() -> torch.Tensor:
     return _BIT_TABLE
 
 
+class _Upload:
+    """The host vectors of one step, sent to the device in one copy.
+
+    One int64 buffer: an int segment holds row indices or token ids, a float segment holds the
+    bit patterns of float64 values (viewed back as float64 on the device, then rounded to float32
+    exactly as ``torch.tensor([...])`` of the same Python floats rounds them). On an accelerator
+    the copy is non-blocking: a blocking one waits for the stream, that is for the forward pass."""
+
+    def __init__(self) -> None:
+        self._buf = array("q")
+        self._spans: list[tuple[int, int, bool]] = []
+
+    def ints(self, values: Iterable[int]) -> int:
+        start = len(self._buf)
+        self._buf.extend(values)
+        self._spans.append((start, len(self._buf) - start, False))
+        return len(self._spans) - 1
+
+    def floats(self, values: Iterable[float]) -> int:
+        start = len(self._buf)
+        self._buf.frombytes(array("d", values).tobytes())
+        self._spans.append((start, len(self._buf) - start, True))
+        return len(self._spans) - 1
+
+    def send(self, device: torch.device) -> list[torch.Tensor]:
+        """The segments on ``device``, by the handles ``ints``/``floats`` returned. On the CPU
+        they share the array's memory (``frombuffer`` keeps it alive)."""
+        if not self._buf:
+            return [torch.empty(0, dtype=torch.float64 if f else torch.long, device=device) for _, _, f in self._spans]
+        buf = torch.frombuffer(self._buf, dtype=torch.int64)
+        if device.type != "cpu":
+            buf = buf.to(device, non_blocking=True)
+        return [buf[o : o + n].view(torch.float64) if f else buf[o : o + n] for o, n, f in self._spans]
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
@@ -64,80 +109,194 @@ class Sampler:
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [num_seqs, vocab]. Returns the sampled token id and logprob entry of each seq."""
         logits = logits.float()
+        b, vocab = logits.shape
         params = [s.params for s in seqs]
-        want_logprobs = [p.logprobs is not None for p in params]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        up = _Upload()
 
-        if any(p.logit_bias for p in params):
-            logits = self._apply_logit_bias(logits, params)
+        # -- the host's plan: every per-row list, into one upload ---------------------------------
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        all_lp = len(lp_rows) == b
+        h_lp = up.ints(lp_rows) if lp_rows and not all_lp else -1
+        top_pos = [j for j, i in enumerate(lp_rows) if params[i].logprobs]  # positions in lp_rows
+        top_n = max((params[lp_rows[j]].logprobs or 0 for j in top_pos), default=0)
+        h_top = up.ints(top_pos) if top_pos and len(top_pos) < len(lp_rows) else -1
+
+        h_bias = self._plan_logit_bias(up, params, vocab)
+        penalised = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params)
+        h_pen = self._plan_penalties(up, seqs) if penalised else None
+        h_ban = self._plan_ban(up, seqs, eos_ids, vocab)
+
+        sample_rows = [i for i, p in enumerate(params) if not p.greedy]
+        sp = [params[i] for i in sample_rows]
+        all_sampled = len(sample_rows) == b
+        h_idx = up.ints(sample_rows) if sample_rows and not all_sampled else -1
+        h_temp = up.floats(p.temperature for p in sp) if sp else -1
+        h_filters = self._plan_filters(up, sp, vocab)
+        seeded = [j for j, p in enumerate(sp) if p.seed is not None]
+        unseeded = [j for j, p in enumerate(sp) if p.seed is None]
+        h_unseeded = up.ints(unseeded) if seeded and unseeded else -1
+
+        d = up.send(logits.device)
+
+        # -- the device's work ----------------------------------------------------------------------
+        raw_logprobs = None
+        if lp_rows:
+            raw_logprobs = torch.log_softmax(logits if all_lp else logits[d[h_lp]], dim=-1)
+        if h_bias is not None:
+            rows, toks, vals = (d[h] for h in h_bias)
+            logits.index_put_((rows, toks), vals.to(logits.dtype), accumulate=True)
         constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if constrained:
             self._apply_grammars(logits, seqs, constrained)
+        if h_pen is not None:
+            logits = self._apply_penalties(logits, h_pen, d)
+        if h_ban is not None:
+            logits = self._ban_stop_tokens(logits, h_ban, d)
 
-        if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
-            logits = self._apply_penalties(logits, seqs)
-        if any(p.min_tokens and s.num_output_tokens < p.min_tokens for s, p in zip(seqs, params, strict=True)):
-            logits = self._ban_stop_tokens(logits, seqs, eos_ids)
-
-        tokens = logits.argmax(dim=-1)  # greedy for every row; sampled rows are overwritten below
-        sample_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sample_rows:
-            idx = torch.tensor(sample_rows, device=logits.device)
-            sub = logits[idx]
-            temps = torch.tensor([params[i].temperature for i in sample_rows], device=logits.device)
-            sub = sub / temps[:, None]
-            sub = self._apply_top_k_top_p_min_p(sub, [params[i] for i in sample_rows])
+            sub = logits if all_sampled else logits[d[h_idx]]
+            sub = sub / d[h_temp].float()[:, None]
+            sub = self._apply_top_k_top_p_min_p(sub, h_filters, d)
             probs = torch.softmax(sub, dim=-1)
-            noise = torch.empty_like(probs)
-            seeded = [j for j, i in enumerate(sample_rows) if params[i].seed is not None]
-            unseeded = [j for j, i in enumerate(sample_rows) if params[i].seed is None]
-            if unseeded:
-                noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-                    generator=self.generator
-                )
-            for j in seeded:
-                noise[j].exponential_(generator=self._generator_for(seqs[sample_rows[j]]))
+            if not seeded:
+                noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            else:
+                noise = torch.empty_like(probs)
+                if unseeded:
+                    drawn = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                        generator=self.generator
+                    )
+                    noise.index_copy_(0, d[h_unseeded], drawn)
+                for j in seeded:  # one launch per seeded row: each generator draws only by itself
+                    noise[j].exponential_(generator=self._generator_for(seqs[sample_rows[j]]))
             # Exponential race: argmax(p / E) with E ~ Exp(1) draws exactly from p.
-            tokens[idx] = (probs / noise).argmax(dim=-1)
+            sampled = (probs / noise).argmax(dim=-1)
+            if all_sampled:
+                tokens = sampled
+            else:
+                tokens = logits.argmax(dim=-1)  # the greedy rows; the sampled ones are overwritten
+                tokens.index_copy_(0, d[h_idx], sampled)
+        else:
+            tokens = logits.argmax(dim=-1)
 
-        token_list = tokens.tolist()
-        entries: list[TokenLogprobs | None] = [None] * len(seqs)
-        if raw_logprobs is not None:
-            for i, p in enumerate(params):
-                if p.logprobs is None:
-                    continue
-                tok = token_list[i]
-                entry: TokenLogprobs = {"token_id": tok, "logprob": float(raw_logprobs[i, tok]), "top": []}
-                if p.logprobs:
-                    vals, ids = raw_logprobs[i].topk(p.logprobs)
-                    entry["top"] = list(zip(ids.tolist(), vals.tolist(), strict=True))
-                entries[i] = entry
+        if raw_logprobs is None:
+            return tokens.tolist(), [None] * b
+
+        # -- logprobs: one gather, one topk, and everything back in one .tolist() -----------------------
+        lp_tokens = tokens if all_lp else tokens[d[h_lp]]
+        parts = [tokens.double(), raw_logprobs.gather(1, lp_tokens[:, None]).squeeze(1).double()]
+        if top_n:
+            src = raw_logprobs if h_top < 0 else raw_logprobs[d[h_top]]
+            top_vals, top_ids = src.topk(top_n, dim=-1)
+            parts += [top_ids.flatten().double(), top_vals.flatten().double()]
+        back = torch.cat(parts).tolist()
+        token_list = [int(t) for t in back[:b]]
+        n_lp = len(lp_rows)
+        entries: list[TokenLogprobs | None] = [None] * b
+        for j, i in enumerate(lp_rows):
+            entries[i] = {"token_id": token_list[i], "logprob": back[b + j], "top": []}
+        ids_at = b + n_lp
+        vals_at = ids_at + len(top_pos) * top_n
+        for r, j in enumerate(top_pos):
+            n = params[lp_rows[j]].logprobs or 0
+            o = r * top_n
+            entry = entries[lp_rows[j]]
+            assert entry is not None
+            entry["top"] = [
+                (int(t), v) for t, v in zip(back[ids_at + o : ids_at + o + n], back[vals_at + o : vals_at + o + n])
+            ]
         return token_list, entries
 
-    def _apply_logit_bias(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Add each row's ``logit_bias`` to its raw logits: the (row, token, bias) triples of all
-        rows go to the device in one tensor and are added with one ``index_put_``. Token ids
-        outside the logits are skipped (the engine refuses them when the request comes in)."""
-        vocab = logits.shape[1]
+    @staticmethod
+    def _plan_logit_bias(up: _Upload, params: list[SamplingParams], vocab: int) -> tuple[int, int, int] | None:
+        """The (row, token, bias) triples of all rows with a ``logit_bias``, added to the raw
+        logits with one ``index_put_``. Token ids outside the logits are skipped (the engine
+        refuses them when the request comes in)."""
+        if not any(p.logit_bias for p in params):
+            return None
         rows: list[int] = []
         toks: list[int] = []
         vals: list[float] = []
         for i, p in enumerate(params):
             if not p.logit_bias:
                 continue
-            t, b = p.logit_bias_items
+            t, bias = p.logit_bias_items
             if t[-1] >= vocab:  # sorted: the largest id is last
                 kept = [j for j, tok in enumerate(t) if tok < vocab]
-                t, b = [t[j] for j in kept], [b[j] for j in kept]
+                t, bias = [t[j] for j in kept], [bias[j] for j in kept]
             rows.extend([i] * len(t))
             toks.extend(t)
-            vals.extend(b)
+            vals.extend(bias)
         if not rows:
-            return logits
-        # float64 holds token ids exactly (< 2**53): one host-to-device copy for all three columns
-        packed = torch.tensor(rows + toks + vals, dtype=torch.float64).view(3, -1).to(logits.device)
-        logits.index_put_((packed[0].long(), packed[1].long()), packed[2].to(logits.dtype), accumulate=True)
-        return logits
+            return None
+        return up.ints(rows), up.ints(toks), up.floats(vals)
+
+    @staticmethod
+    def _plan_penalties(up: _Upload, seqs: list[Sequence]) -> tuple[int, ...]:
+        """Penalties from flattened token lists: each row's output tokens (counted, for presence
+        and frequency) and, for rows with a repetition penalty, all its tokens (seen), with their
+        lengths per row; the three penalties per row."""
+        out_lens: list[int] = []
+        seen_lens: list[int] = []
+        out_toks = array("q")
+        seen_toks = array("q")
+        for s in seqs:
+            out = s.token_ids[s.num_prompt_tokens :]
+            out_lens.append(len(out))
+            out_toks.extend(out)
+            if s.params.repetition_penalty != 1.0:
+                seen_lens.append(len(s.token_ids))
+                seen_toks.extend(s.token_ids)
+            else:
+                seen_lens.append(0)
+        return (
+            up.ints(out_lens),
+            up.ints(out_toks),
+            up.ints(seen_lens),
+            up.ints(seen_toks),
+            up.floats(s.params.repetition_penalty for s in seqs),
+            up.floats(s.params.presence_penalty for s in seqs),
+            up.floats(s.params.frequency_penalty for s in seqs),
+            len(out_toks),
+            len(seen_toks),
+        )
+
+    @staticmethod
+    def _plan_ban(up: _Upload, seqs: list[Sequence], eos_ids: list[int], vocab: int) -> tuple[int, int, int] | None:
+        """``min_tokens``: the (row, stop token) pairs to ban, and the constrained rows among them."""
+        rows: list[int] = []
+        toks: list[int] = []
+        constrained: list[int] = []
+        for i, s in enumerate(seqs):
+            p = s.params
+            if not p.min_tokens or s.num_output_tokens >= p.min_tokens:
+                continue
+            banned = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids).union(eos_ids)
+            banned = {t for t in banned if 0 <= t < vocab}
+            if not banned:
+                continue
+            rows.extend([i] * len(banned))
+            toks.extend(sorted(banned))
+            if s.grammar is not None:
+                constrained.append(i)
+        if not rows:
+            return None
+        return up.ints(rows), up.ints(toks), up.ints(constrained)
+
+    @staticmethod
+    def _plan_filters(up: _Upload, sp: list[SamplingParams], vocab: int) -> tuple[int, int, int, int, int]:
+        """top-k: the largest k (a host number: no ``int(ks.max())`` sync), each row's k-1 and
+        whether it has a k at all (a row without one does not make it ``topk(vocab)``); top-p and
+        min-p per row. -1 where no row uses the filter."""
+        k_max = min(vocab, max((p.top_k for p in sp), default=0))
+        h_k = h_no_k = -1
+        if k_max:
+            h_k = up.ints(min(p.top_k, vocab) - 1 if p.top_k else 0 for p in sp)
+            if not all(p.top_k for p in sp):
+                h_no_k = up.ints(0 if p.top_k else 1 for p in sp)
+        h_p = up.floats(p.top_p for p in sp) if any(p.top_p < 1.0 for p in sp) else -1
+        h_min_p = up.floats(p.min_p for p in sp) if any(p.min_p > 0.0 for p in sp) else -1
+        return k_max, h_k, h_no_k, h_p, h_min_p
 
     def _bitmask_rows(self, num_rows: int, vocab: int) -> torch.Tensor:
         """A host int32 bitmask of at least ``num_rows`` rows for ``vocab`` tokens, reused across
@@ -216,80 +375,69 @@ class Sampler:
         xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows)
 
     @staticmethod
-    def _ban_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> torch.Tensor:
+    def _ban_stop_tokens(logits: torch.Tensor, h: tuple[int, int, int], d: list[torch.Tensor]) -> torch.Tensor:
         """``min_tokens``: stop tokens (the request's, and EOS unless ``ignore_eos``) get -inf
         until the output has that many tokens, with one ``index_put_`` for all rows. A constrained
         row whose grammar allows nothing but those tokens (the document is complete) keeps them:
         the grammar wins, so the row ends instead of sampling from an empty distribution."""
-        vocab = logits.shape[1]
-        rows: list[int] = []
-        toks: list[int] = []
-        constrained: list[int] = []
-        for i, s in enumerate(seqs):
-            p = s.params
-            if not p.min_tokens or s.num_output_tokens >= p.min_tokens:
-                continue
-            banned = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids).union(eos_ids)
-            banned = {t for t in banned if 0 <= t < vocab}
-            if not banned:
-                continue
-            rows.extend([i] * len(banned))
-            toks.extend(sorted(banned))
-            if s.grammar is not None:
-                constrained.append(i)
-        if not rows:
-            return logits
-        packed = torch.tensor(rows + toks + constrained, dtype=torch.long).to(logits.device)
-        n = len(rows)
-        cidx = packed[2 * n :]
-        before = logits[cidx] if constrained else None
-        logits.index_put_((packed[:n], packed[n : 2 * n]), logits.new_full((), float("-inf")))
+        rows, toks, cidx = (d[i] for i in h)
+        before = logits[cidx] if cidx.numel() else None
+        logits.index_put_((rows, toks), logits.new_full((), float("-inf")))
         if before is not None:
             after = logits[cidx]
             keep = torch.isfinite(after).any(dim=-1, keepdim=True)
             logits[cidx] = torch.where(keep, after, before)
         return logits
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, h: tuple[int, ...], d: list[torch.Tensor]) -> torch.Tensor:
+        """Repetition (CTRL / HF semantics, on prompt and output tokens), presence and frequency
+        (OpenAI, on output tokens) penalties: the counts and the seen set are built on the device
+        from the flattened lists, one ``index_add_`` and one ``index_put_``."""
         b, vocab = logits.shape
         dev = logits.device
-        out_counts = torch.zeros(b, vocab, device=dev)
-        seen = torch.zeros(b, vocab, dtype=torch.bool, device=dev)
-        for i, s in enumerate(seqs):
-            out_ids = s.output_token_ids
-            if out_ids:
-                ids = torch.tensor(out_ids, device=dev)
-                out_counts[i].index_add_(0, ids, torch.ones(len(out_ids), device=dev))
-            if s.params.repetition_penalty != 1.0:
-                seen[i, torch.tensor(s.token_ids, device=dev)] = True
-        rep = torch.tensor([s.params.repetition_penalty for s in seqs], device=dev)[:, None]
-        pres = torch.tensor([s.params.presence_penalty for s in seqs], device=dev)[:, None]
-        freq = torch.tensor([s.params.frequency_penalty for s in seqs], device=dev)[:, None]
-        # repetition penalty (CTRL / HF semantics) on prompt and output tokens
+        out_lens, out_toks, seen_lens, seen_toks = (d[i] for i in h[:4])
+        rep, pres, freq = (d[i].float()[:, None] for i in h[4:7])
+        n_out, n_seen = h[7], h[8]
+        out_counts = torch.zeros(b * vocab, device=dev)
+        seen = torch.zeros(b * vocab, dtype=torch.bool, device=dev)
+        rows = torch.arange(b, device=dev)
+        if n_out:
+            flat = torch.repeat_interleave(rows, out_lens, output_size=n_out) * vocab + out_toks
+            out_counts.index_add_(0, flat, torch.ones(n_out, device=dev))
+        if n_seen:
+            flat = torch.repeat_interleave(rows, seen_lens, output_size=n_seen) * vocab + seen_toks
+            seen[flat] = True
+        out_counts = out_counts.view(b, vocab)
+        seen = seen.view(b, vocab)
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalised, logits)
-        # OpenAI presence/frequency penalties on output tokens
         logits = logits - freq * out_counts - pres * (out_counts > 0).float()
         return logits
 
     @staticmethod
-    def _apply_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        dev = logits.device
-        vocab = logits.shape[1]
-        if any(p.top_k for p in params):
-            ks = torch.tensor([p.top_k if p.top_k else vocab for p in params], device=dev).clamp(max=vocab)
-            kth = logits.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1)[:, None])
+    def _apply_top_k_top_p_min_p(
+        logits: torch.Tensor, h: tuple[int, int, int, int, int], d: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """top-k by the k-th largest value of each row (one ``topk`` of the largest k; a row
+        without top-k masks nothing), then top-p and min-p. The same masks as a per-row top-k:
+        the k-th value is the same whatever larger k it is read from."""
+        k_max, h_k, h_no_k, h_p, h_min_p = h
+        if k_max:
+            kth = logits.topk(k_max, dim=-1).values.gather(1, d[h_k][:, None])
+            if h_no_k >= 0:
+                kth = kth.masked_fill(d[h_no_k].bool()[:, None], float("-inf"))
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
+        if h_p >= 0:
+            top_p = d[h_p].float()[:, None]
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             probs = sorted_logits.softmax(dim=-1)
             # drop a token when the mass strictly before it already reaches top_p (keeps at least one)
             drop = (probs.cumsum(dim=-1) - probs) >= top_p
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-        if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
+        if h_min_p >= 0:
+            min_p = d[h_min_p].float()[:, None]
             probs = logits.softmax(dim=-1)
             logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
         return logits
