@@ -115,6 +115,11 @@ class ModelRunner:
             capture=capture,
         )
 
+    def kv_cache_bytes(self) -> int:
+        """Bytes of this runner's KV pool: what a replacement engine of the same capacity needs
+        (the supervisor weighs it against the free memory after a hang)."""
+        return self.num_kv_blocks * self._bytes_per_block()
+
     def _bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem

@@ -159,3 +159,36 @@ def test_decode_inputs_staged_through_persistent_host_buffers(tiny_model_dir):
     assert g.context_lens[:4].tolist() == [10, 3, 0, 0]
     assert g.block_tables[:2, :3].tolist() == [[10, 12, 1], [2, 0, 0]]
     assert g.slots[4].item() == 62  # past the bucket: untouched, never read by this step
+
+
+@pytest.mark.parametrize(
+    ("device_kind", "free", "needed", "action"),
+    [
+        ("cpu", 0, 10 << 30, "rebuild"),  # host memory: today's rebuild, whatever is free
+        ("cpu", None, 10 << 30, "rebuild"),
+        ("cuda", 2 << 30, 10 << 30, "exit"),  # the hung thread holds the old pool: no room for a new one
+        ("cuda", None, 10 << 30, "exit"),  # free memory unreadable: not assumed
+        ("cuda", 10 << 30, 10 << 30, "rebuild"),  # the memory really is free
+        ("cuda", 40 << 30, 10 << 30, "rebuild"),
+    ],
+)
+def test_after_hang_policy(device_kind, free, needed, action):
+    """After a hung step: on CUDA the worker exits (its messages go back to the queue) unless the
+    device shows a new KV pool's worth of memory free; on the CPU it rebuilds as before."""
+    from batchery.worker.service.supervisor import after_hang
+
+    assert after_hang(device_kind, free, needed) == action
+
+
+def test_engine_reports_its_kv_pool_bytes(tiny_model_dir):
+    """What a replacement engine needs, as the supervisor reads it after a hang: the KV tensors' bytes."""
+    from batchery.engine.llm_engine import LLMEngine
+    from batchery.engine.loader import load_model
+    from batchery.worker.service.supervisor import _engine_memory
+
+    config = _config(tiny_model_dir, attention_backend="auto")
+    eng = LLMEngine(config, loaded=load_model(config))
+    total = sum(k.nbytes + v.nbytes for k, v in eng.runner.kv_caches)
+    assert eng.runner.kv_cache_bytes() == total > 0
+    assert _engine_memory(eng) == (DEVICE, total)
+    assert _engine_memory(None) is None

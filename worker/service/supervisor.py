@@ -8,7 +8,12 @@ thread (a late result from an abandoned step is ignored), and builds a new engin
 loaded weights (then, if that fails, on weights reloaded from disk). After ``max_rebuilds``
 consecutive failed rebuilds, or as many failures outside any step in a row, or ``POISON_BREAKER``
 poison verdicts in a row, it gives up: the service turns unhealthy and calls ``on_fatal`` so the
-entry point can stop consuming and exit non-zero. Nothing here ever exits the process."""
+entry point can stop consuming and exit non-zero. Nothing here ever exits the process.
+
+A step that hung on CUDA is the exception to rebuilding (``after_hang``): the hung thread keeps
+its engine, KV pool included, and a rebuild would ask for the same pool again beside it. Unless
+the device shows that much memory free, the supervisor gives up at once, so the worker hands its
+messages back to the queue and exits for its orchestrator to restart it with the memory free."""
 
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from batchery.contract.errors import EngineUnavailable
 from batchery.worker.service.loop import EngineLoop
@@ -35,6 +40,44 @@ if TYPE_CHECKING:
 log = logging.getLogger("batchery.worker.engine")
 
 SUPERVISOR_TICK_S = 0.1
+
+HangAction = Literal["rebuild", "exit"]
+
+
+def after_hang(device_kind: str, free_bytes: int | None, needed_bytes: int) -> HangAction:
+    """What to do once a step hung and its thread is still running: ``rebuild`` beside it, or
+    ``exit`` so that a restarted process gets the memory back. On the CPU the old engine's memory
+    is host memory, which the rebuild has always shared with it: rebuild, as before. On CUDA the
+    hung thread holds its KV pool (up to 85% of the device), so a new pool of the same size fits
+    only if ``free_bytes`` (``torch.cuda.mem_get_info``, after a GC pass and ``empty_cache``)
+    shows it; unknown free memory counts as not enough."""
+    if device_kind != "cuda":
+        return "rebuild"
+    if free_bytes is not None and free_bytes >= needed_bytes:
+        return "rebuild"
+    return "exit"
+
+
+def _engine_memory(engine: LLMEngine | None) -> tuple[str, int] | None:
+    """The engine's device kind and KV-pool bytes (what its replacement needs), or None when the
+    engine does not say (then the rebuild goes ahead, as it always has)."""
+    try:
+        runner = engine.runner  # type: ignore[union-attr]
+        return str(runner.device.type), int(runner.kv_cache_bytes())
+    except Exception:  # noqa: BLE001 - a guess about memory must never stop the recovery
+        return None
+
+
+def _cuda_free_bytes(engine_device: str) -> int | None:
+    """Free device memory as the driver sees it; None where it cannot be read."""
+    torch = sys.modules.get("torch")
+    if torch is None or engine_device != "cuda" or not torch.cuda.is_available():
+        return None
+    try:
+        free, _ = torch.cuda.mem_get_info()
+        return int(free)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 class Supervisor:
@@ -163,6 +206,7 @@ class Supervisor:
             fail(t.struck, struck_error(reason))
             for p in t.poisoned:
                 fail([p], poison_error(p, what))
+        memory = _engine_memory(old_engine) if exc is None else None
         if old_engine is not None:
             # The engine holds its loop through this hook and the loop holds the engine: a cycle,
             # which only a full GC pass would free, and never once gc.freeze() has frozen it (the
@@ -171,6 +215,16 @@ class Supervisor:
         del old_engine
         self.release(old_thread, exc)
         del exc
+        if memory is not None and old_thread is not None and old_thread.is_alive():
+            kind, needed = memory
+            free = _cuda_free_bytes(kind)
+            if after_hang(kind, free, needed) == "exit":
+                self.give_up(
+                    f"the engine step hung on {kind} and its thread still holds the old engine's memory "
+                    f"({free if free is not None else 'unknown'} bytes free, {needed} needed for a new KV pool): "
+                    f"exiting so that a restarted worker gets the memory back (last failure: {reason})"
+                )
+                return
         if canary_failed:
             s.failed_rebuilds += 1  # rebuilt, but the engine failed its canary step
         if s.outside_failures >= s.options.max_rebuilds:
