@@ -6,7 +6,13 @@ Runs decode steps of ``--seqs`` sequences on a one-layer random-weight model (Sm
 tiny hidden size), so the model's forward is cheap and the scheduler, batch packing, input tensors,
 block bookkeeping and output handling show. On a GPU these run while the device would otherwise
 wait, so at large batches they bound the step rate. Prints milliseconds per step for each part;
-"forward" and "sampler" here are CPU figures for the tiny model and say little about a GPU."""
+"forward" and "sampler" here are CPU figures for the tiny model and say little about a GPU.
+
+Then the sampler alone, ``--sampler-rows`` rows that all ask for ``logprobs=5`` (greedy, fed the
+same logits again and again): engine/sampler.py, and beside it the per-row sampler it replaced
+(tests/sampler_reference.py) when that file is there. On the CPU this is mostly the log-softmax
+and top-k themselves; the small-vocabulary line shows the per-row work that on a GPU would be
+launches and syncs."""
 
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=512)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--sampler-rows", type=int, default=256)
     args = ap.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -94,6 +101,50 @@ def main() -> None:
         print(f"  {name:28s} {t / args.steps * 1e3:7.2f} ms")
     host = sum(t for name, t in spent.items() if "CPU" not in name) / args.steps
     print(f"  {'host parts together':28s} {host * 1e3:7.2f} ms (everything above but forward and sampler)")
+    for vocab in (cfg.vocab_size, 1024):
+        sampler_section(args.sampler_rows, vocab)
+
+
+def sampler_section(rows: int, vocab: int, logprobs: int = 5, calls: int = 10) -> None:
+    """Milliseconds per sampler call at ``rows`` rows with ``logprobs`` each: the new sampler, and
+    the reference (the old per-row one) if tests/sampler_reference.py can be imported."""
+    from batchery.engine.sampler import Sampler
+    from batchery.engine.sequence import Sequence
+
+    samplers: list[tuple[str, type]] = []
+    tests_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+    sys.path.insert(0, tests_dir)
+    try:
+        from sampler_reference import ReferenceSampler
+
+        samplers.append(("reference (per row)", ReferenceSampler))
+    except ImportError:
+        pass
+    finally:
+        sys.path.remove(tests_dir)
+    samplers.append(("new (batched)", Sampler))
+    rng = random.Random(0)
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
+    figures = []
+    for name, cls in samplers:
+        sampler = cls(torch.device("cpu"))
+        seqs = []
+        for i in range(rows):
+            s = Sequence(
+                str(i), [rng.randrange(vocab) for _ in range(20)], SamplingParams(temperature=0, logprobs=logprobs)
+            )
+            seqs.append(s)
+        for _ in range(2):
+            sampler(logits.clone(), seqs, [0])
+        times = []
+        for _ in range(calls):
+            x = logits.clone()
+            t0 = time.perf_counter()
+            sampler(x, seqs, [0])
+            times.append(time.perf_counter() - t0)
+        figures.append(f"{name} {sorted(times)[calls // 2] * 1e3:.2f} ms")
+    label = f"sampler, {rows} rows with logprobs={logprobs}, vocab {vocab} (median per call)"
+    print(f"  {label}: " + "; ".join(figures))
 
 
 if __name__ == "__main__":
