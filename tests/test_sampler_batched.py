@@ -224,3 +224,39 @@ def test_grammar_rows_match_the_reference(grammar_setup):
         if g is not None:
             assert g.accept(b[0][i])  # a token the grammar allows
     assert b[0][-1] == eos  # the only token the complete grammar allows, despite min_tokens
+
+
+def count_ops(sampler, logits: torch.Tensor, seqs: list[Sequence]) -> dict[str, int]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        sampler(logits.clone(), seqs, [EOS])
+    counts: dict[str, int] = {}
+    for e in prof.events():
+        counts[e.name] = counts.get(e.name, 0) + 1
+    return counts
+
+
+def test_no_per_row_device_work():
+    """The op counts of one step do not grow with the rows: one topk for top-k and one for the
+    logprobs, no scalar read (``float()``/``int()`` of a tensor: a sync each on a GPU), and the
+    one copy of host lists. The reference, per row, is there to show the test can fail."""
+    vocab, rows = 300, 32
+    spec = []
+    for i in range(rows):
+        params = SamplingParams(
+            temperature=0.0 if i % 3 == 0 else 1.0,
+            top_k=5 if i % 2 else 0,
+            logprobs=i % 6,
+            repetition_penalty=1.2,
+            min_tokens=4,
+            logit_bias={7: 1.0},
+        )
+        spec.append(([1, 2, 3], [4, 5], params))
+    logits = torch.randn(rows, vocab)
+    new = count_ops(Sampler(torch.device("cpu")), logits, make_seqs(spec))
+    old = count_ops(ReferenceSampler(torch.device("cpu")), logits, make_seqs(spec))
+    assert new.get("aten::topk", 0) == 2
+    assert new.get("aten::_local_scalar_dense", 0) == 0
+    assert new.get("aten::index_add_", 0) <= 1
+    assert old.get("aten::topk", 0) > rows // 2 and old.get("aten::_local_scalar_dense", 0) >= rows // 2
