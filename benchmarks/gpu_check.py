@@ -61,6 +61,21 @@ SECTIONS: dict[str, tuple[str, int, int]] = {
 # ================================================================================================
 
 
+_CURRENT: list[subprocess.Popen] = []  # the section's process now running (its own session)
+
+
+def _stop(signum: int, frame: object) -> None:
+    """``timeout`` in gpu_check.sh (or ^C) ends the parent: the running section goes with it, so no
+    orphan keeps the GPU."""
+    for proc in _CURRENT:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    print(f"\ngpu_check: stopped by signal {signum}", flush=True)
+    os._exit(124)
+
+
 def _run_section(name: str, args: argparse.Namespace, timeout: float) -> dict[str, Any]:
     """One section in a fresh interpreter (its own CUDA context); its output is streamed, indented."""
     env = dict(os.environ)
@@ -81,6 +96,7 @@ def _run_section(name: str, args: argparse.Namespace, timeout: float) -> dict[st
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
+    _CURRENT[:] = [proc]
     lines: list[str] = []
 
     def pump() -> None:
@@ -100,6 +116,7 @@ def _run_section(name: str, args: argparse.Namespace, timeout: float) -> dict[st
         os.killpg(proc.pid, signal.SIGKILL)  # the child's own session: it and anything it started
         proc.wait()
     reader.join(timeout=5)
+    _CURRENT.clear()
     wall = time.perf_counter() - t0
     result: dict[str, Any] | None = None
     for line in lines:
@@ -125,6 +142,8 @@ def parent(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             sys.exit("gpu_check: no CUDA device (run with --dry-run for the CPU dry run)")
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     t_start = time.perf_counter()
     mode = "dry run on the CPU (TRITON_INTERPRET=1, tiny sizes)" if args.dry_run else "CUDA"
     bug = " with the slot bug injected" if args.inject_slot_bug else ""
@@ -603,7 +622,7 @@ def sec_logits(c: Ctx) -> None:
             ntok = sum(len(o.token_ids) for o in runs[True])
             c.check(
                 f"{name} graphs on vs off",
-                diff < tol[dtype] and (dtype != torch.float32 or same == ntok),
+                diff < tol[dtype],  # a near-tie may flip a token between batch shapes: only the logprobs gate
                 f"{same} of {ntok} tokens identical before any divergence, max |logprob diff| {diff:.2e}",
             )
 
@@ -765,11 +784,14 @@ def _decode_step(c: Ctx, loaded: Any, batch: int, context: int, steps: int, grap
     if graphs and c.device.type == "cuda" and g is not None and getattr(g, "graphs", None):
         entry = g.graphs.get(batch) or next(iter(g.graphs.values()))
         graph = entry[0] if isinstance(entry, tuple) else entry
-        graph.replay()  # the last step's inputs again: same K/V into the same slots
-        with Timer(c) as tr:
-            for _ in range(steps):
-                graph.replay()
-        out["replay_ms"] = (tr.device or 0.0) / steps * 1e3
+        if hasattr(graph, "replay"):
+            graph.replay()  # the last step's inputs again: same K/V into the same slots
+            with Timer(c) as tr:
+                for _ in range(steps):
+                    graph.replay()
+            out["replay_ms"] = (tr.device or 0.0) / steps * 1e3
+        else:
+            print("  (no graph to replay alone in this build: no replay-only figure)")
     out["graph_steps"] = float(eng.stats()["cuda_graph_steps"])
     del eng, g
     gc.collect()
@@ -820,6 +842,7 @@ def sec_decode(c: Ctx) -> None:
             c.miss = True
     if False in res:
         c.figures["1B decode step, graphs off (ms)"] = round(res[False]["host_ms"], 3)
+        c.figures["decode graphs off / HBM bound"] = f"{res[False]['host_ms'] / bound_ms:.2f}x"
         if True in res:
             c.figures["graphs speed-up"] = f"{res[False]['host_ms'] / res[True]['host_ms']:.2f}x"
 
