@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import functools
 import gc
+import itertools
 import logging
 import os
 from typing import Any
 
+import numpy as np
 import torch
 
 from batchery.engine.attention.backend import ATTN_IMPLEMENTATION, register
@@ -202,8 +204,9 @@ class ModelRunner:
         sample [num_sample], the attention metadata, and the sequences those rows sample for."""
         bs = self.block_size
         dev = self.device
+        slots, ids, pos, keep, lens = self._to_device([p.slots, p.input_ids, p.positions, p.logits_idx, p.decode_lens])
         md = AttentionMetadata(
-            slot_mapping=torch.tensor(p.slots, dtype=torch.long, device=dev),
+            slot_mapping=slots,
             num_decode_tokens=len(p.decode_lens),
             decode_block_tables=None,
             decode_context_lens=None,
@@ -211,8 +214,8 @@ class ModelRunner:
             backend=self.backend,
         )
         if p.decode_lens:
-            md.decode_block_tables = padded_tables(p.decode_tables).to(dev)
-            md.decode_context_lens = torch.tensor(p.decode_lens, dtype=torch.long, device=dev)
+            md.decode_block_tables = self._host_to_device(padded_tables(p.decode_tables))
+            md.decode_context_lens = lens
         if self.backend == "triton":
             from batchery.engine.attention import triton_backend
 
@@ -223,10 +226,22 @@ class ModelRunner:
                 if pf.has_prefix:  # [num_blocks] of its context; None: it attends only to its own new tokens
                     bt = torch.tensor(pf.block_table[: -(-pf.context_len // bs)], dtype=torch.long, device=dev)
                 md.prefills.append(PrefillSeq(pf.q_start, pf.q_len, pf.context_len, bt))
-        ids = torch.tensor(p.input_ids, dtype=torch.long, device=dev)[None]
-        pos = torch.tensor(p.positions, dtype=torch.long, device=dev)[None]
-        keep = torch.tensor(p.logits_idx, dtype=torch.long, device=dev)
-        return ids, pos, keep, md, p.sample_seqs
+        return ids[None], pos[None], keep, md, p.sample_seqs
+
+    def _host_to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A CPU tensor on the device. On CUDA through pinned memory (torch's caching host
+        allocator, which keeps the block until the copy has read it) and a non-blocking copy: from
+        pageable memory every copy blocks the host until it is done. Elsewhere ``t`` itself."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _to_device(self, lists: list[list[int]]) -> list[torch.Tensor]:
+        """Several int lists as int64 device tensors, in one copy: packed into one host array,
+        sent once, and returned as views of the device copy."""
+        flat = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=sum(map(len, lists)))
+        whole = self._host_to_device(torch.from_numpy(flat))
+        return list(torch.split(whole, [len(x) for x in lists]))
 
     def forward(
         self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor | int, md: AttentionMetadata

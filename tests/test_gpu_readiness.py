@@ -192,3 +192,17 @@ def test_engine_reports_its_kv_pool_bytes(tiny_model_dir):
     assert eng.runner.kv_cache_bytes() == total > 0
     assert _engine_memory(eng) == (DEVICE, total)
     assert _engine_memory(None) is None
+
+
+def test_eager_step_inputs_in_one_copy(tiny_model_dir):
+    """The eager path's int inputs (slots, ids, positions, rows to sample, context lengths) go
+    to the device as one packed copy and come back as views, each with its own values."""
+    from batchery.engine.llm_engine import LLMEngine
+    from batchery.engine.loader import load_model
+
+    config = _config(tiny_model_dir, attention_backend="auto")
+    runner = LLMEngine(config, loaded=load_model(config)).runner
+    a, b, c = runner._to_device([[5, 6, 7], [], [2**40]])
+    assert [t.tolist() for t in (a, b, c)] == [[5, 6, 7], [], [2**40]]
+    assert {t.dtype for t in (a, b, c)} == {torch.long}
+    assert a.device.type == DEVICE
