@@ -49,8 +49,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from batchery.api.auth import Tenant
-from batchery.api.errors import APIError, invalid, not_found
+from batchery.api.auth import Tenant, tenant
+from batchery.api.errors import APIError, invalid, list_page, not_found
 from batchery.api.files import files_of
 from batchery.broker.connection import is_redis_url, redis_from_url
 from batchery.client import Client
@@ -390,15 +390,7 @@ class Batches:
                 data.append(self.view(i, meta, job))
         if gone:
             self.r.zrem(index, *gone)
-        has_more = len(data) > limit
-        data = data[:limit]
-        return {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": has_more,
-        }
+        return list_page(data[:limit], len(data) > limit)
 
     # -- the Batch object -------------------------------------------------------------------------
     def view(self, batch_id: str, meta: dict[str, str], job: BatchJob) -> dict:
@@ -550,12 +542,6 @@ _build_lock = threading.Lock()
 
 def _state(request: Request) -> ApiState:
     return request.app.state.batchery
-
-
-def tenant(request: Request) -> Tenant:
-    """Dependency: the caller's tenant (401 in OpenAI's shape for a missing or wrong key), as ``app.tenant``
-    (not imported from there: the app imports this module)."""
-    return _state(request).keys.tenant(request.headers.get("authorization"))
 
 
 def _service(request: Request) -> Batches:

@@ -2,7 +2,8 @@
 codes the openai SDK maps to its exceptions (400 BadRequestError, 401 AuthenticationError, 403
 PermissionDeniedError, 404 NotFoundError, 409 ConflictError, 413/422 ..., 429 RateLimitError, 5xx
 InternalServerError). The SDK retries 408, 409, 429 and 5xx unless the answer carries
-``x-should-retry: false``: errors that a retry cannot mend (a deadline the request ran out of) say so."""
+``x-should-retry: false``: errors that a retry cannot mend (a deadline the request ran out of) say so.
+Also OpenAI's cursor page (``list_page``), which the list routes share."""
 
 from __future__ import annotations
 
@@ -36,6 +37,18 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """OpenAI's cursor page (``GET /v1/files``, ``GET /v1/batches``): the items, their first and last
+    ids (the next page is ``after=last_id``) and whether more follow."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -38,8 +38,8 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from batchery.api.auth import Tenant
-from batchery.api.errors import APIError, invalid, not_found
+from batchery.api.auth import Tenant, tenant
+from batchery.api.errors import APIError, invalid, list_page, not_found
 from batchery.api.storage import FileStorage, LocalStorage, ObjectTooLarge, ObjectWriter
 from batchery.broker.connection import redis_from_url
 from batchery.contract.batch import json_type, loads
@@ -314,13 +314,7 @@ class Files:
             for file_id, meta in zip(ids, pipe.execute() if ids else [], strict=True)
             if meta and meta.get("tenant") == tenant
         ]
-        return {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": has_more,
-        }
+        return list_page(data, has_more)
 
     # -- deleting -------------------------------------------------------------------------------------
     def delete(self, tenant: str, file_id: str) -> dict[str, Any]:
@@ -540,15 +534,10 @@ async def _feed_body(chunks: AsyncIterator[bytes], upload: Upload) -> APIError |
 
 
 # -- routes -------------------------------------------------------------------------------------------
-# ``app.state`` and the tenant are read here rather than through ``batchery.api.app``'s helpers: app.py
-# imports this module to mount the router, so importing it back would be an import cycle.
+# ``app.state`` is read here rather than through ``batchery.api.app.state``: app.py imports this module
+# to mount the router, so importing it back would be an import cycle.
 def state(request: Request) -> ApiState:
     return request.app.state.batchery
-
-
-def tenant(request: Request) -> Tenant:
-    """The caller's tenant (401 in OpenAI's shape for a missing or wrong key)."""
-    return state(request).keys.tenant(request.headers.get("authorization"))
 
 
 @router.post("/files")
