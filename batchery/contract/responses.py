@@ -45,6 +45,7 @@ from batchery.contract.schemas import (
     check_tools_list,
     describe_validation_error,
     parse_schema,
+    refuse_stream,
 )
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one ``include`` value that changes the output here
@@ -282,9 +283,7 @@ class ResponsesRequest(_Strict):
     @field_validator("stream")
     @classmethod
     def _check_stream(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("stream is not supported: results are delivered whole through the result backend")
-        return v
+        return refuse_stream(v)
 
     @field_validator("background")
     @classmethod

@@ -193,6 +193,13 @@ def parse_schema(value: Any, what: str, *, object_type: bool = False) -> dict[st
     return value
 
 
+def refuse_stream(stream: bool) -> bool:
+    """``stream`` as every request body takes it: false, or refused (results travel whole)."""
+    if stream:
+        raise ValueError("stream is not supported: results are delivered whole through the result backend")
+    return stream
+
+
 def _bounded_text(value: str, what: str) -> str:
     if not value:
         raise ValueError(f"{what} must not be empty")
@@ -649,9 +656,7 @@ class _SamplingFields(_Strict):
     @field_validator("stream")
     @classmethod
     def _check_stream(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("stream is not supported: results are delivered whole through the result backend")
-        return v
+        return refuse_stream(v)
 
     @field_validator("logit_bias", mode="before")
     @classmethod
