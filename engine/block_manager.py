@@ -49,6 +49,35 @@ class BlockManager:
         return self.can_allocate(seq, 1)
 
     # -- prefix cache ----------------------------------------------------------------------
+    def prompt_hashes(self, seq: Sequence) -> list[int]:
+        """The chained hashes of ``seq``'s full prompt blocks (computed once: the prompt never changes)."""
+        if seq.prompt_hashes is None:
+            bs = self.block_size
+            hashes: list[int] = []
+            parent = None
+            for i in range(seq.num_prompt_tokens // bs):
+                parent = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
+                hashes.append(parent)
+            seq.prompt_hashes = hashes
+        return seq.prompt_hashes
+
+    def first_uncached_block(self, seq: Sequence) -> int | None:
+        """The hash of the first prompt block ``match_prefix`` would not find in the prefix cache, among
+        those it looks up (every full block before the last token); None when it would find them all."""
+        if not self.enable_prefix_caching:
+            return None
+        hashes = self.prompt_hashes(seq)
+        for h in hashes[: (seq.num_tokens - 1) // self.block_size]:
+            if h not in self.hash_to_block:
+                return h
+        return None
+
+    def pending_prompt_hashes(self, seq: Sequence) -> list[int]:
+        """The hashes of the full prompt blocks a running ``seq`` has yet to compute and publish."""
+        if not self.enable_prefix_caching or seq.num_computed_tokens >= seq.num_prompt_tokens:
+            return []
+        return self.prompt_hashes(seq)[len(seq.block_hashes) :]
+
     def match_prefix(self, seq: Sequence) -> None:
         """On first schedule: attach cached full blocks of the prompt, set the computed counters.
 

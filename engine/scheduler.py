@@ -2,6 +2,10 @@
 isolated sequences (quarantine) that run only in steps of their own, and the choices of one request
 (``SamplingParams.n``) forked from its first choice once that has computed the prompt.
 
+Requests that share a prefix (a document, a system prompt) compute it once: a waiting request whose next
+uncached full prompt block (by the prefix cache's hash chain) a running sequence is computing right now is
+held back, without holding up those behind it, until that block is in the prefix cache; then it hits it.
+
 Pure Python: plain ints, no torch."""
 
 from __future__ import annotations
@@ -13,6 +17,11 @@ from batchery.engine.block_manager import BlockManager
 from batchery.engine.outputs import ModelRunnerOutput
 from batchery.engine.sequence import Sequence, SequenceStatus
 from batchery.engine.stop_checker import StopCheck
+
+# The most steps a waiting sequence is held back, in all, for a prefix block a running one is computing. A holder
+# computes its prefill chunk every step it runs, so the hold normally ends within ceil(prefix / chunk) steps;
+# the bound only keeps a holder that stalls (starved of budget, preempted and readmitted) from starving it.
+MAX_PREFIX_WAIT_STEPS = 256
 
 
 @dataclass
@@ -50,6 +59,7 @@ class Scheduler:
         # blocks back and waits like a new sequence: no queued sequence holds blocks others need.
         self.forked: list[Sequence] = []
         self.num_forks = 0  # choices that forked a parent's prompt blocks
+        self.num_prefix_waits = 0  # steps waiting sequences were held back for a prefix being computed
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -286,20 +296,45 @@ class Scheduler:
         # priority/FCFS order, while budget, slots and blocks allow. An isolated one first in line
         # stops the line: it goes in on its own turn, and no one behind it takes its slot or its
         # blocks meanwhile.
+        # A waiting sequence whose next uncached prompt block a running one is computing right now is
+        # held back (skipped, not blocking those behind it) until that block is in the prefix cache.
         if out.num_preempted:
             return out
+        inflight: set[int] | None = None  # prompt blocks running sequences are computing (built on first need)
+        num_held = 0  # held-back sequences at the head of the waiting line, skipped this step
         while budget > 0 and len(self.running) < self.max_num_seqs:
             forked = [s for s in self.forked if not s.isolated]
             if forked:
                 seq = forked[0]
-            elif self.waiting and not self.waiting[0].isolated:
-                seq = self.waiting[0]
+            elif num_held < len(self.waiting) and not self.waiting[num_held].isolated:
+                seq = self.waiting[num_held]
+                if bm.enable_prefix_caching:
+                    if inflight is None:
+                        inflight = {h for r in self.running for h in bm.pending_prompt_hashes(r)}
+                    if self._hold(seq, inflight):
+                        num_held += 1
+                        continue
             else:
                 break
             n = self._admit(seq, budget)
             if not n:
                 break
+            if inflight is not None:
+                inflight.update(bm.pending_prompt_hashes(seq))
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             budget -= n
         return out
+
+    def _hold(self, seq: Sequence, inflight: set[int]) -> bool:
+        """Whether waiting ``seq`` waits this step for a prefix block a running sequence is computing (it
+        would compute the same block itself otherwise); counted, and never for more than
+        ``MAX_PREFIX_WAIT_STEPS`` steps in all, so a holder that stalls cannot starve it."""
+        if not inflight or seq.num_prefix_waits >= MAX_PREFIX_WAIT_STEPS:
+            return False
+        h = self.block_manager.first_uncached_block(seq)
+        if h is None or h not in inflight:
+            return False
+        seq.num_prefix_waits += 1
+        self.num_prefix_waits += 1
+        return True

@@ -89,6 +89,9 @@ class Sequence:
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache (first schedule)
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the leading full, computed blocks
+        # chained hashes of the prompt's full blocks, computed once on demand (``BlockManager.prompt_hashes``)
+        self.prompt_hashes: list[int] | None = None
+        self.num_prefix_waits = 0  # steps it was held back for a prefix another sequence was computing
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
