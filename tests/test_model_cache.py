@@ -1,0 +1,224 @@
+"""The converted-GGUF model cache (engine/loader.py): the first load of a GGUF keeps a Hugging Face
+directory (fp32 safetensors, config, tokenizer) in the model cache, later loads read it, and what
+they read is bitwise what the GGUF itself gives, in fp32 and in bf16, tokenizer included. A stale,
+incomplete or corrupt conversion is never used.
+
+Every test runs on a private model cache (``BATCHERY_MODEL_CACHE`` in a tmp dir) holding a copy of
+the real default GGUF; nothing is downloaded when the user's cache already has it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchery.contract.names import DEFAULT_MODEL
+from batchery.engine import loader
+from batchery.engine.config import EngineConfig
+
+SAMPLES = [
+    "Hello, world!",
+    "  leading spaces and\ttabs\nnewlines",
+    "naïve café 東京 🙂",
+    "<|im_start|>user\nhi<|im_end|>",
+]
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "And 3 + 3?"},
+]
+
+
+@pytest.fixture(scope="module")
+def real_gguf() -> Path:
+    return loader.default_model_path()  # the user's cache (fetched once if it is not there yet)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch, real_gguf) -> Path:
+    """A private model cache holding a copy of the default GGUF where ``default_model_path`` looks."""
+    root = tmp_path / "models"
+    dest = root / DEFAULT_MODEL / real_gguf.name
+    dest.parent.mkdir(parents=True)
+    try:
+        os.link(real_gguf, dest)  # same file system: no copy (the tests never write to it)
+    except OSError:
+        shutil.copy2(real_gguf, dest)
+    monkeypatch.setenv("BATCHERY_MODEL_CACHE", str(root))
+    monkeypatch.delenv(loader.CONVERT_ENV, raising=False)
+    return root
+
+
+def _converted(cache: Path) -> list[Path]:
+    hf = cache / "hf"
+    return sorted(p for p in hf.iterdir() if p.is_dir() and not p.name.startswith(".")) if hf.exists() else []
+
+
+# -- keys: no model needed --------------------------------------------------------------------------
+
+
+def test_sha256_is_remembered_and_recomputed_when_the_file_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHERY_MODEL_CACHE", str(tmp_path / "models"))
+    f = tmp_path / "a.gguf"
+    f.write_bytes(b"one" * 1000)
+    first = loader.gguf_sha256(f)
+    assert first == loader._sha256(f)
+    index = tmp_path / "models" / "hf" / loader._SHA_INDEX
+    assert str(f.resolve()) in index.read_text()
+    # same size, new bytes, new mtime: hashed again, so the conversion key changes
+    st = f.stat()
+    f.write_bytes(b"two" * 1000)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    second = loader.gguf_sha256(f)
+    assert second == loader._sha256(f) != first
+    dirs = {loader.converted_dir(f)}
+    f.write_bytes(b"one" * 1000)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000))
+    dirs.add(loader.converted_dir(f))
+    assert len(dirs) == 2, "a GGUF with other bytes must not reuse a conversion"
+    # a corrupt index is ignored, not fatal
+    index.write_text("{not json")
+    assert loader.gguf_sha256(f) == first
+
+
+def test_key_names_the_converting_code_versions(tmp_path, monkeypatch):
+    import transformers
+
+    monkeypatch.setenv("BATCHERY_MODEL_CACHE", str(tmp_path / "models"))
+    f = tmp_path / "a.gguf"
+    f.write_bytes(b"x")
+    d = loader.converted_dir(f)
+    assert d.parent == tmp_path / "models" / "hf"
+    assert d.name.startswith(loader._sha256(f)[:32])
+    assert f"tf{transformers.__version__}-" in d.name
+
+
+def test_hf_model_dir_of_a_directory_is_itself_and_unknown_names_fail(tmp_path):
+    assert loader.hf_model_dir(str(tmp_path)) == tmp_path
+    with pytest.raises(ValueError, match="neither"):
+        loader.hf_model_dir(str(tmp_path / "missing"))
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="not a .gguf"):
+        loader.hf_model_dir(str(tmp_path / "weights.bin"))
+
+
+# -- the real model ------------------------------------------------------------------------------
+
+
+def _assert_same_model(a, b) -> None:
+    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        x, y = pa[name], pb[name]
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert torch.equal(
+            x.view(torch.uint8) if x.is_contiguous() else x.contiguous().view(torch.uint8),
+            y.view(torch.uint8) if y.is_contiguous() else y.contiguous().view(torch.uint8),
+        ), name
+    ba, bb = dict(a.model.named_buffers()), dict(b.model.named_buffers())
+    assert ba.keys() == bb.keys()
+    for name in ba:
+        assert ba[name].dtype == bb[name].dtype and torch.equal(ba[name], bb[name]), name
+    ea, eb = a.model.get_input_embeddings().weight, b.model.get_input_embeddings().weight
+    la, lb = a.model.get_output_embeddings().weight, b.model.get_output_embeddings().weight
+    assert (la.data_ptr() == ea.data_ptr()) == (lb.data_ptr() == eb.data_ptr()), "tied differently"
+    ca, cb = a.hf_config.to_dict(), b.hf_config.to_dict()
+    for k in ("_name_or_path", "transformers_version", "architectures"):  # save_pretrained names the class
+        ca.pop(k, None)
+        cb.pop(k, None)
+    assert ca == cb
+
+
+def _assert_same_tokenizer(a, b) -> None:
+    for s in SAMPLES:
+        assert a.encode(s) == b.encode(s), s
+        assert a.decode(a.encode(s)) == b.decode(b.encode(s)), s
+    for gen in (True, False):
+        ra = a.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=gen)
+        assert ra == b.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=gen)
+        assert a.encode(ra, add_special_tokens=False) == b.encode(ra, add_special_tokens=False)
+    assert a.eos_token_id == b.eos_token_id and a.eos_token == b.eos_token
+    assert a.bos_token_id == b.bos_token_id and a.pad_token_id == b.pad_token_id
+    assert a.all_special_tokens == b.all_special_tokens and a.all_special_ids == b.all_special_ids
+    assert len(a) == len(b) and a.get_vocab() == b.get_vocab()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cached_conversion_loads_bitwise_what_the_gguf_gives(cache, monkeypatch, dtype):
+    cfg = EngineConfig(dtype=dtype)
+    monkeypatch.setenv(loader.CONVERT_ENV, "0")
+    direct = loader.load_model(cfg)
+    assert _converted(cache) == [], "BATCHERY_MODEL_CACHE_CONVERT=0 must not write a conversion"
+    assert Path(direct.tokenizer.name_or_path) == cache / DEFAULT_MODEL
+
+    monkeypatch.delenv(loader.CONVERT_ENV)
+    first = loader.load_model(cfg)  # converts, then loads the conversion
+    (conv,) = _converted(cache)
+    assert Path(first.tokenizer.name_or_path) == conv
+    assert {"config.json", "model.safetensors", "tokenizer.json", loader._MANIFEST} <= {p.name for p in conv.iterdir()}
+    assert not [p for p in (cache / "hf").iterdir() if p.name.startswith(".tmp-")], "temp dir left behind"
+    t0 = time.perf_counter()
+    second = loader.load_model(cfg)
+    took = time.perf_counter() - t0
+    assert Path(second.tokenizer.name_or_path) == conv and _converted(cache) == [conv]
+    for loaded in (first, second):
+        _assert_same_model(direct, loaded)
+        _assert_same_tokenizer(direct.tokenizer, loaded.tokenizer)
+    logging.getLogger(__name__).info("load from the conversion: %.2f s", took)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_conversion_keeps_fp32_weights_and_ties_the_lm_head(cache):
+    from transformers import AutoModelForCausalLM
+
+    d = loader.hf_model_dir(DEFAULT_MODEL)
+    assert d == loader.converted_dir(loader.default_model_path())
+    assert loader.hf_model_dir(str(loader.default_model_path())) == d
+    m = AutoModelForCausalLM.from_pretrained(str(d), local_files_only=True)
+    assert m.config.tie_word_embeddings
+    assert m.get_output_embeddings().weight.data_ptr() == m.get_input_embeddings().weight.data_ptr()
+    assert {p.dtype for p in m.parameters()} == {torch.float32}
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_incomplete_conversion_is_converted_again(cache, caplog):
+    d = loader.hf_model_dir(DEFAULT_MODEL)
+    weights = d / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size // 2)
+    with caplog.at_level(logging.WARNING, logger="batchery.engine.loader"):
+        loaded = loader.load_model(EngineConfig(dtype="float32"))
+    assert "incomplete" in caplog.text
+    assert Path(loaded.tokenizer.name_or_path) == d and weights.stat().st_size == size
+    # a directory without its manifest (a crash before the rename cannot leave one, but a user's copy can)
+    (d / loader._MANIFEST).unlink()
+    assert loader.hf_model_dir(DEFAULT_MODEL) == d and (d / loader._MANIFEST).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_corrupt_conversion_falls_back_to_the_gguf(cache, caplog):
+    d = loader.hf_model_dir(DEFAULT_MODEL)
+    weights = d / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:  # same size, garbage header: only loading it can tell
+        f.write(b"\xff" * 64)
+    with caplog.at_level(logging.WARNING, logger="batchery.engine.loader"):
+        loaded = loader.load_model(EngineConfig(dtype="float32"))
+    assert "does not load" in caplog.text
+    assert Path(loaded.tokenizer.name_or_path) == cache / DEFAULT_MODEL  # the GGUF served this load
+    assert _converted(cache) == [], "the corrupt conversion was kept"
+    assert loaded.tokenizer.encode("hi")
+    again = loader.hf_model_dir(DEFAULT_MODEL)
+    assert again == d and (d / "model.safetensors").stat().st_size == size
