@@ -1,10 +1,18 @@
 """Streaming submission of a batch job: read, validate, enqueue, chunk by chunk.
 
 The input is never held whole: lines are read one at a time (an oversized line in bounded pieces),
-parsed and validated (``batchery.contract.batch``), and every ``chunk_size`` lines one pipeline records the
-chunk's error lines and counts in the job, then one ``LPUSH`` puts its task messages on the queue
-(``batchery.broker.publish``). Workers start on the first chunk while the rest is still being read; the
-job is ``validating`` until the last chunk, then ``in_progress``.
+parsed and validated (``batchery.contract.batch``) into a grouping window. A window's valid lines are put in
+order of their prompt's start (``prefix_key``: model, endpoint, tools, then the messages, prompt or instructions
+and input), a stable sort, so that lines sharing a long prefix (a document, a few-shot instruction) spread
+through the file reach the workers together and the engine computes that prefix once (its prefix cache need
+hold one document at a time, not all of them). Then one pipeline records the window's error lines, its task
+messages in the ledger and its counts in the job, and ``LPUSH``es put the messages on the queue
+(``batchery.broker.publish``), ``chunk_size`` at a time. Outputs keep their input line number and custom_id, so
+nothing about the results' order changes. A window is ``chunk_size`` lines at first and then as many as were
+read before it (the first lines reach the workers at once), at most ``GROUP_LINES`` lines and ``GROUP_BYTES``
+bytes of messages (memory stays bounded). Workers start on the first window while the rest is still being read;
+the job is ``validating`` until the last window, then ``in_progress``. A window is recorded as one chunk (every
+line up to its last is then recorded), so a take-over (``resume``) skips exactly the recorded lines.
 
 The job fails as a whole (status ``failed``, a job-level error; lines already queued are skipped
 and running ones aborted) only when it cannot be a job: no request lines (``empty_file``), more
@@ -28,6 +36,7 @@ A job that vanishes from Redis during the submission (deleted, or Redis flushed 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -37,6 +46,9 @@ from pathlib import Path
 from batchery.broker.connection import is_redis_url, redis_from_url
 from batchery.broker.publish import MessageBuilder
 from batchery.contract.batch import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    RESPONSES_URL,
     UNSUPPORTED_URL,
     BatchLine,
     LineError,
@@ -54,6 +66,9 @@ MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
 DEFAULT_CHUNK = 1000
+GROUP_LINES = 20_000  # the most lines in one grouping window (lines sorted by prefix before they are enqueued)
+GROUP_BYTES = 64 << 20  # ... and the most bytes of task messages (and their prefix keys) it holds
+PREFIX_KEY_CHARS = 1 << 16  # lines whose prompts agree this far sort as equal (bounds the sort's compares)
 FIRST_ERRORS = 10  # line errors a job that fails with no_valid_lines reports
 RESUME_AFTER_S = 30.0  # a validating job whose submitter has not beaten for this long may be taken over
 
@@ -102,15 +117,69 @@ def exceeds_max_lines(path: Path, max_lines: int) -> bool:
     return n + (not blank) > max_lines
 
 
+def _text(v) -> str:
+    """The text of a prompt part as a chat template renders it, near enough to compare prompts by."""
+    if v is None:
+        return ""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list):
+        return "\x01".join(_text(x) for x in v)
+    if isinstance(v, dict):
+        if isinstance(v.get("text"), str):
+            return v["text"]
+        if "content" in v:
+            return f"{v.get('role', '')}\x02{_text(v['content'])}"
+    return json.dumps(v, sort_keys=True, separators=(",", ":"))
+
+
+def prefix_key(url: str, body: dict) -> str:
+    """The start of the prompt a line becomes, as text to sort by: lines that share a prefix sort next to each
+    other. Model and endpoint first, then tools (chat templates render them before the messages), then the
+    messages' roles and contents in order (chat), the prompt (completions) or the instructions and input
+    (responses). Cut at ``PREFIX_KEY_CHARS``."""
+    parts = [str(body.get("model") or ""), url]
+    tools = body.get("tools")
+    parts.append(_text(tools) if tools else "")
+    if url == CHAT_URL:
+        for m in body.get("messages") or ():
+            if isinstance(m, dict):
+                parts.append(f"{m.get('role', '')}\x02{_text(m.get('content'))}")
+            else:
+                parts.append(_text(m))
+    elif url == COMPLETIONS_URL:
+        parts.append(_text(body.get("prompt")))
+    elif url == RESPONSES_URL:
+        parts.append(_text(body.get("instructions")))
+        parts.append(_text(body.get("input")))
+    return "\x00".join(parts)[:PREFIX_KEY_CHARS]
+
+
+def _message_size(message) -> int:
+    return len(message) if isinstance(message, str) else 256  # (task id, kwargs) for a non-Redis broker: its key counts
+
+
 class Submitter:
     """Submits one job. ``run`` returns the job id; the job's status tells how it went."""
 
-    def __init__(self, store: JobStore, broker, app, settings, *, chunk_size: int = DEFAULT_CHUNK) -> None:
+    def __init__(
+        self,
+        store: JobStore,
+        broker,
+        app,
+        settings,
+        *,
+        chunk_size: int = DEFAULT_CHUNK,
+        group_lines: int = GROUP_LINES,
+        group_bytes: int = GROUP_BYTES,
+    ) -> None:
         self.store = store
         self.broker = broker  # a redis-py client on the broker's Redis, or None for a non-Redis broker
         self.app = app
         self.settings = settings
-        self.chunk_size = chunk_size
+        self.chunk_size = chunk_size  # lines per LPUSH, and the first grouping window
+        self.group_lines = group_lines
+        self.group_bytes = group_bytes
 
     def run(
         self,
@@ -265,15 +334,18 @@ class Submitter:
             yield parsed
 
     def _submit(self, items, max_lines: int) -> bool:
-        """Enqueue everything; True if the job was stopped (cancelled or failed) on the way."""
-        messages: list = []
+        """Enqueue everything, a grouping window at a time; True if the job was stopped (cancelled or failed)
+        on the way."""
+        window: list[tuple[str, int, object]] = []  # (prefix key, line, task message) of its valid lines
         errors: list[LineError] = []
+        size = 0  # bytes of the window's messages and keys
+        read = 0  # lines read before this window (this submitter's), which its size may double
         for item in items:
             if item.line <= self.skip_through:  # recorded by the submitter this one took over from
                 self._classify(item)
                 continue
-            if self.total + len(messages) + len(errors) >= max_lines:
-                if self._flush(messages, errors):
+            if self.total + len(window) + len(errors) >= max_lines:
+                if self._flush(window, errors):
                     return True
                 self._fail(
                     "too_many_lines", f"the input has more than {max_lines} request lines (BATCHERY_BATCH__MAX_LINES)"
@@ -281,15 +353,19 @@ class Submitter:
                 return True
             item = self._classify(item)
             if isinstance(item, BatchLine):
-                messages.append((item.line, self._message(item)))
+                key = prefix_key(item.url, item.body)
+                message = self._message(item)
+                window.append((key, item.line, message))
+                size += len(key) + _message_size(message)
             else:
                 errors.append(item)
             self.max_line = item.line
-            if len(messages) + len(errors) >= self.chunk_size:
-                if self._flush(messages, errors):
+            n = len(window) + len(errors)
+            if n >= min(self.group_lines, max(self.chunk_size, read)) or size >= self.group_bytes:
+                if self._flush(window, errors):
                     return True
-                messages, errors = [], []
-        return self._flush(messages, errors)
+                window, errors, size, read = [], [], 0, read + n
+        return self._flush(window, errors)
 
     def _classify(self, item: BatchLine | LineError) -> BatchLine | LineError:
         """The line as this job takes it (another url than the batch's endpoint is an error line), counted
@@ -322,15 +398,19 @@ class Submitter:
             return task_id, kwargs
         return self.builder.build(task_id, kwargs, f"{{'job': '{self.job_id}', 'line': {item.line}}}")
 
-    def _flush(self, messages: list, errors: list[LineError]) -> bool:
-        """Record the chunk in the job (counts first, so progress never shows more done than
-        total), then enqueue its messages. True if the job has been stopped meanwhile."""
-        n = len(messages) + len(errors)
+    def _flush(self, window: list, errors: list[LineError]) -> bool:
+        """Record the window in the job as one chunk (counts first, so progress never shows more done than
+        total), then enqueue its messages in prefix order. True if the job has been stopped meanwhile."""
+        n = len(window) + len(errors)
+        window.sort(key=lambda entry: entry[0])  # stable: lines with the same prefix stay in input order
+        messages = [(line, message) for _, line, message in window]
+        window.clear()  # the keys go now; the messages are held until they are queued
         with self.store.r.pipeline(transaction=False) as p:
             for e in errors:
                 self.store.write_in(p, self.job_id, e.line, line_error_record(self.job_id, e), failed=True)
             if self.builder is not None:  # the ledger, before the messages: see batchery.jobs.recover
-                self.store.ledger_in(p, self.job_id, messages)
+                for i in range(0, len(messages), self.chunk_size):
+                    self.store.ledger_in(p, self.job_id, messages[i : i + self.chunk_size])
             self.store.queue_chunk(p, self.job_id, n, self.max_line, self.token)
             status = p.execute()[-1]
         self.total += n
@@ -344,13 +424,14 @@ class Submitter:
         if status in STOPPED_STATUSES:
             self.store.end_submit(self.job_id, self.total, self.max_line, token=self.token)
             return True
-        if messages:
+        for i in range(0, len(messages), self.chunk_size):
+            piece = [m for _, m in messages[i : i + self.chunk_size]]
             if self.builder is not None:
                 with self.broker.pipeline(transaction=False) as p:
-                    self.builder.push(p, [m for _, m in messages])
+                    self.builder.push(p, piece)
                     p.execute()
             else:
-                self._send_tasks([m for _, m in messages])
+                self._send_tasks(piece)
         return False
 
     def _send_tasks(self, messages: list) -> None:
