@@ -15,16 +15,28 @@ kernel stopped winning.
   ``weight`` is kept for the row counts torch handles, so routed bf16 layers hold their weights twice.
 
 It is installed on the loaded model itself, so everything that runs the model (the engine, and the
-HF baselines in our benchmarks) uses the same kernels. Set ``BATCHERY_CPU_KERNELS=0`` to keep torch."""
+HF baselines in our benchmarks) uses the same kernels. Set ``BATCHERY_CPU_KERNELS=0`` to keep torch.
+
+Calibration times F.linear at up to 512 rows (the fp32 LM head of a 49k vocabulary alone takes
+seconds), so its results are kept in the model cache (``<cache>/calibration/cpu-linear.json``), keyed
+by everything that could change them: the CPU (its model name and flags), the cores this process may
+use and torch's thread count, torch's version, the kernels' source and the calibration's own rows.
+A start on the same machine and software reads them; any change calibrates again. Delete the file to
+recalibrate; ``BATCHERY_CPU_CALIBRATION_CACHE=0`` neither reads nor writes it."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
+import os
+import tempfile
 import time
 import types
 from collections.abc import Callable
-from typing import cast
+from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +47,9 @@ log = logging.getLogger("batchery.engine.kernels")
 
 CALIBRATION_ROWS = (8, 64, 512)
 ANY = 1 << 62
+CALIBRATION_CACHE_ENV = "BATCHERY_CPU_CALIBRATION_CACHE"  # "0": calibrate at every start
+_CALIBRATION_VERSION = 1  # bump when calibrate() measures differently
+_MAX_HOSTS = 32  # host keys kept in the file (a model cache shared by several machines)
 
 
 KernelLinear = Callable[..., torch.Tensor]  # (x [..., in], bias [out] | None) -> [..., out] through the kernel
@@ -95,6 +110,114 @@ def calibrate(kernel: types.ModuleType, in_features: int, out_features: int, dty
     return ANY
 
 
+def _cpuinfo() -> dict[str, str]:
+    """The identifying lines of the first CPU in /proc/cpuinfo (x86: model name, flags; Arm: Features...)."""
+    keep = (
+        "vendor_id",
+        "model name",
+        "cpu family",
+        "model",
+        "stepping",
+        "flags",
+        "Features",
+        "CPU implementer",
+        "CPU part",
+    )
+    out: dict[str, str] = {}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return out
+    for line in text.split("\n\n", 1)[0].splitlines():
+        name, _, value = line.partition(":")
+        name = name.strip()
+        if name in keep:
+            out[name] = " ".join(sorted(value.split())) if name in ("flags", "Features") else value.strip()
+    return out
+
+
+def calibration_host() -> dict[str, Any]:
+    """What calibration results depend on besides the layer's shape and dtype."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 0
+    source = cpu_kernels.NAME + "\0" + cpu_kernels._SOURCE
+    return {
+        "cpu": _cpuinfo(),
+        "cpu_count": os.cpu_count(),
+        "cores": cores,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "kernel_source_sha256": hashlib.sha256(source.encode()).hexdigest(),
+        "rows": list(CALIBRATION_ROWS),
+        "calibration": _CALIBRATION_VERSION,
+    }
+
+
+def calibration_cache_path() -> Path:
+    from batchery.engine.loader import model_cache_dir  # a leaf below the loader: imported on use
+
+    return model_cache_dir() / "calibration" / "cpu-linear.json"
+
+
+class _CalibrationCache:
+    """Row limits by layer shape for this host (``calibration_host``), read and written as JSON."""
+
+    def __init__(self) -> None:
+        self.path = calibration_cache_path()
+        self.host = calibration_host()
+        self.key = hashlib.sha256(json.dumps(self.host, sort_keys=True).encode()).hexdigest()
+        self.data: dict[str, Any] = {"hosts": {}}
+        self.dirty = False
+        try:
+            data = json.loads(self.path.read_text())
+            if isinstance(data, dict) and isinstance(data.get("hosts"), dict):
+                self.data = data
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as e:
+            log.warning("ignoring the unreadable CPU calibration cache %s: %s", self.path, e)
+        entry = self.data["hosts"].get(self.key)
+        self.limits: dict[str, Any] = (
+            entry["limits"] if isinstance(entry, dict) and isinstance(entry.get("limits"), dict) else {}
+        )
+
+    @staticmethod
+    def _name(key: tuple[int, int, torch.dtype]) -> str:
+        return f"{key[0]}x{key[1]}:{str(key[2]).removeprefix('torch.')}"
+
+    def get(self, key: tuple[int, int, torch.dtype]) -> int | None:
+        limit = self.limits.get(self._name(key))
+        return limit if isinstance(limit, int) and not isinstance(limit, bool) and 0 <= limit <= ANY else None
+
+    def put(self, key: tuple[int, int, torch.dtype], limit: int) -> None:
+        self.limits[self._name(key)] = limit
+        self.dirty = True
+
+    def save(self) -> None:
+        hosts = self.data["hosts"]
+        hosts[self.key] = {"host": self.host, "limits": self.limits, "written": time.time()}
+        if len(hosts) > _MAX_HOSTS:  # drop the oldest
+            for old in sorted(hosts, key=lambda k: hosts[k].get("written", 0) if isinstance(hosts[k], dict) else 0)[
+                : len(hosts) - _MAX_HOSTS
+            ]:
+                del hosts[old]
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".cpu-linear-")
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.data, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)  # atomic: a reader sees the old file or the new one
+        except OSError as e:  # a read-only cache: calibrate again next time
+            log.warning("could not write the CPU calibration cache %s: %s", self.path, e)
+        self.dirty = False
+
+
+def _calibration_cache_on() -> bool:
+    return os.environ.get(CALIBRATION_CACHE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def _eligible(lin: torch.nn.Module, kernel: types.ModuleType) -> bool:
     if not isinstance(lin, torch.nn.Linear) or getattr(lin, "_batchery_kernel", None) is not None:
         return False
@@ -108,13 +231,14 @@ def _eligible(lin: torch.nn.Module, kernel: types.ModuleType) -> bool:
 
 def install(model: torch.nn.Module, max_rows: int | None = None) -> int:
     """Route the model's fp32 and bf16 CPU ``nn.Linear`` layers through the kernels, for inputs of
-    up to ``max_rows`` rows (None: calibrate each layer shape here; -1: any). Returns how many
-    layers were routed (0 when the kernels cannot be built here or never win)."""
+    up to ``max_rows`` rows (None: calibrate each layer shape here, or read the calibration cache;
+    -1: any). Returns how many layers were routed (0 when the kernels cannot be built here or never win)."""
     kernel = cpu_kernels.load()
     if kernel is None:
         return 0
     embedding_ptrs = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     limits: dict[tuple[int, int, torch.dtype], int] = {}
+    cache = _CalibrationCache() if max_rows is None and _calibration_cache_on() else None
     count = 0
     for module in model.modules():
         if not _eligible(module, kernel):
@@ -125,13 +249,21 @@ def install(model: torch.nn.Module, max_rows: int | None = None) -> int:
         if max_rows is not None:
             limit = ANY if max_rows < 0 else max_rows
         elif key not in limits:
-            limit = limits[key] = calibrate(kernel, *key)
+            cached = cache.get(key) if cache is not None else None
+            if cached is None:
+                limit = calibrate(kernel, *key)
+                if cache is not None:
+                    cache.put(key, limit)
+            else:
+                limit = cached
+            limits[key] = limit
             log.info(
-                "CPU linear kernel, %s %dx%d: faster than torch up to %s rows",
+                "CPU linear kernel, %s %dx%d: faster than torch up to %s rows%s",
                 str(w.dtype)[6:],
                 lin.in_features,
                 lin.out_features,
                 "any number of" if limit == ANY else limit,
+                "" if cached is None else " (calibrated before, cached)",
             )
         else:
             limit = limits[key]
@@ -149,6 +281,8 @@ def install(model: torch.nn.Module, max_rows: int | None = None) -> int:
         lin._batchery_kernel = kernel
         lin._batchery_max_rows = limit
         count += 1
+    if cache is not None and cache.dirty:
+        cache.save()
     if count:
         log.info("%d linear layers run on the C++ CPU kernels", count)
     return count

@@ -222,3 +222,135 @@ def test_corrupt_conversion_falls_back_to_the_gguf(cache, caplog):
     assert loaded.tokenizer.encode("hi")
     again = loader.hf_model_dir(DEFAULT_MODEL)
     assert again == d and (d / "model.safetensors").stat().st_size == size
+
+
+# -- the CPU calibration cache (engine/fast_linear.py) -------------------------------------------------
+
+
+def _linears(*shapes: tuple[int, int]) -> torch.nn.Module:
+    return torch.nn.Sequential(*(torch.nn.Linear(i, o, bias=False) for i, o in shapes))
+
+
+@pytest.fixture
+def kernels(tmp_path, monkeypatch):
+    from batchery.engine import cpu_kernels
+
+    kernel = cpu_kernels.load()
+    if kernel is None:
+        pytest.fail("the CPU kernels did not build (compiler or ninja missing?)")
+    monkeypatch.setenv("BATCHERY_MODEL_CACHE", str(tmp_path / "models"))
+    monkeypatch.delenv("BATCHERY_CPU_CALIBRATION_CACHE", raising=False)
+    return kernel
+
+
+def _limits(model: torch.nn.Module) -> list[int]:
+    return [m._batchery_max_rows for m in model if hasattr(m, "_batchery_max_rows")]
+
+
+def _only_host(path: Path) -> dict:
+    import json
+
+    (entry,) = json.loads(path.read_text())["hosts"].values()
+    return entry
+
+
+def test_calibration_is_kept_and_read_back(kernels):
+    """A second install reads the limits: planted values calibration can never return show it."""
+    import json
+
+    from batchery.engine import fast_linear
+
+    path = fast_linear.calibration_cache_path()
+    assert not path.exists()
+    fast_linear.install(_linears((64, 128), (128, 64), (64, 128)))
+    entry = _only_host(path)
+    assert set(entry["limits"]) == {"64x128:float32", "128x64:float32"}  # one calibration per shape
+    assert set(entry["limits"].values()) <= {0, fast_linear.ANY, *fast_linear.CALIBRATION_ROWS}
+    assert entry["host"] == fast_linear.calibration_host()
+    # plant limits calibration can never return: a second install must use them, not time anything
+    entry["limits"] = {"64x128:float32": 7, "128x64:float32": 5}
+    data = json.loads(path.read_text())
+    (key,) = data["hosts"]
+    data["hosts"][key] = entry
+    path.write_text(json.dumps(data))
+    model = _linears((64, 128), (128, 64))
+    assert fast_linear.install(model) == 2
+    assert _limits(model) == [7, 5]
+    # a shape it has not seen is calibrated and added beside them
+    fast_linear.install(_linears((32, 48)))
+    limits = _only_host(path)["limits"]
+    assert limits.pop("32x48:float32") in {0, fast_linear.ANY, *fast_linear.CALIBRATION_ROWS}
+    assert limits == {"64x128:float32": 7, "128x64:float32": 5}
+
+
+def test_calibration_cache_off_neither_reads_nor_writes(kernels, monkeypatch):
+    import json
+
+    from batchery.engine import fast_linear
+
+    path = fast_linear.calibration_cache_path()
+    fast_linear.install(_linears((64, 128)))
+    data = json.loads(path.read_text())
+    (key,) = data["hosts"]
+    data["hosts"][key]["limits"] = {"64x128:float32": 7}
+    path.write_text(json.dumps(data))
+    before = path.read_bytes()
+    monkeypatch.setenv("BATCHERY_CPU_CALIBRATION_CACHE", "0")
+    model = _linears((64, 128), (32, 48))
+    fast_linear.install(model)
+    assert 7 not in _limits(model)
+    assert path.read_bytes() == before
+
+
+def test_a_changed_host_key_calibrates_again(kernels):
+    import json
+
+    from batchery.engine import fast_linear
+
+    path = fast_linear.calibration_cache_path()
+    fast_linear.install(_linears((64, 128)))
+    data = json.loads(path.read_text())
+    (key,) = data["hosts"]
+    data["hosts"][key]["limits"] = {"64x128:float32": 7}
+    path.write_text(json.dumps(data))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)  # another thread count: other timings, another key
+        model = _linears((64, 128))
+        fast_linear.install(model)
+        assert 7 not in _limits(model)
+        hosts = json.loads(path.read_text())["hosts"]
+        assert len(hosts) == 2 and hosts[key]["limits"] == {"64x128:float32": 7}, "the other host's entry is kept"
+    finally:
+        torch.set_num_threads(threads)
+    model = _linears((64, 128))
+    fast_linear.install(model)
+    assert _limits(model) == [7]  # back on the first key
+
+
+def test_the_host_key_holds_cpu_torch_and_kernel_source(kernels):
+    import hashlib
+
+    from batchery.engine import cpu_kernels, fast_linear
+
+    host = fast_linear.calibration_host()
+    assert host["torch"] == torch.__version__ and host["torch_threads"] == torch.get_num_threads()
+    assert (
+        host["kernel_source_sha256"]
+        == hashlib.sha256((cpu_kernels.NAME + "\0" + cpu_kernels._SOURCE).encode()).hexdigest()
+    )
+    assert host["cores"] >= 1 and host["rows"] == list(fast_linear.CALIBRATION_ROWS)
+    if Path("/proc/cpuinfo").exists():
+        assert host["cpu"].get("model name") or host["cpu"].get("CPU part")
+
+
+def test_an_unreadable_calibration_cache_is_replaced(kernels, caplog):
+    from batchery.engine import fast_linear
+
+    path = fast_linear.calibration_cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_text("{half a fi")
+    with caplog.at_level(logging.WARNING, logger="batchery.engine.kernels"):
+        fast_linear.install(_linears((64, 128)))
+    assert "unreadable" in caplog.text
+    assert set(_only_host(path)["limits"]) == {"64x128:float32"}
