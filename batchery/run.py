@@ -122,6 +122,14 @@ def write_results(
     return num_ok, num_err
 
 
+def cached_tokens(usage) -> int:
+    """Of a job's prompt tokens, those served from the prefix cache (``usage.prompt_tokens_details``)."""
+    details = getattr(usage, "prompt_tokens_details", None)
+    if isinstance(details, dict):
+        return int(details.get("cached_tokens") or 0)
+    return int(getattr(details, "cached_tokens", 0) or 0)
+
+
 def summary(job, wall: float, num_ok: int, num_err: int) -> dict:
     end = job.completed_at or job.cancelled_at or job.failed_at or time.time()
     job_s = max(end - job.created_at, 1e-9)
@@ -134,6 +142,7 @@ def summary(job, wall: float, num_ok: int, num_err: int) -> dict:
         "lines_failed": num_err,
         "request_counts": job.request_counts.model_dump(),
         "prompt_tokens": job.usage.prompt_tokens,
+        "cached_tokens": cached_tokens(job.usage),
         "completion_tokens": job.usage.completion_tokens,
         "wall_s": round(wall, 3),
         "job_s": round(job_s, 3),
@@ -150,7 +159,8 @@ def print_summary(s: dict, out_path, err_path, stream) -> None:
         file=stream,
     )
     print(
-        f"  tokens: {s['prompt_tokens']} prompt + {s['completion_tokens']} completion; wall {s['wall_s']:.1f} s, "
+        f"  tokens: {s['prompt_tokens']} prompt ({s['cached_tokens']} from the prefix cache) + "
+        f"{s['completion_tokens']} completion; wall {s['wall_s']:.1f} s, "
         f"generating {s['running_s']:.1f} s: {s['completion_tokens_per_s']:.1f} completion tokens/s",
         file=stream,
     )

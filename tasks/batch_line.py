@@ -92,6 +92,7 @@ def batch_line(
         )
         return _store(store, job, line, record, Outcome.INTERNAL_ERROR)
     usage = response.get("usage") or {}  # a Response counts input and output tokens
+    details = usage.get("prompt_tokens_details", usage.get("input_tokens_details")) or {}
     return _store(
         store,
         job,
@@ -100,6 +101,7 @@ def batch_line(
         Outcome.SUCCESS,
         usage.get("prompt_tokens", usage.get("input_tokens", 0)),
         usage.get("completion_tokens", usage.get("output_tokens", 0)),
+        details.get("cached_tokens") or 0,
     )
 
 
@@ -123,10 +125,19 @@ def _store(
     outcome: Outcome,
     prompt_tokens: int = 0,
     completion_tokens: int = 0,
+    cached_tokens: int = 0,
 ) -> LineOutcome:
     failed = outcome is not Outcome.SUCCESS
     new, status = _retrying(
-        f"storing line {line} of {job}", store.write, job, line, record, failed, prompt_tokens, completion_tokens
+        f"storing line {line} of {job}",
+        store.write,
+        job,
+        line,
+        record,
+        failed,
+        prompt_tokens,
+        completion_tokens,
+        cached_tokens,
     )
     if status == "gone":
         detail = f"not recorded: job {job} no longer exists"

@@ -224,7 +224,8 @@ return 'run'
 )
 
 # KEYS: job, results, running, pending
-# ARGV: line, record, counter (completed|failed), prompt_tokens, completion_tokens, ttl
+# ARGV: line, record, counter (completed|failed), prompt_tokens, completion_tokens, ttl, cached_tokens (of the prompt
+# tokens, those served from the prefix cache; optional)
 _WRITE = (
     _PRELUDE
     + """
@@ -238,6 +239,7 @@ redis.call('HSET', KEYS[1], 'progress_at', server_now())
 redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
 if tonumber(ARGV[4]) > 0 then redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[4]) end
 if tonumber(ARGV[5]) > 0 then redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[5]) end
+if ARGV[7] and tonumber(ARGV[7]) > 0 then redis.call('HINCRBY', KEYS[1], 'cached_tokens', ARGV[7]) end
 return {1, settle(KEYS[1], KEYS[2], KEYS[3], status, ARGV[6])}
 """
 )
@@ -528,6 +530,7 @@ class JobStore:
             "failed": 0,
             "prompt_tokens": 0,
             "completion_tokens": 0,
+            "cached_tokens": 0,
             "max_line": 0,
             "metadata": json.dumps(metadata or {}),
             "input_file": input_file or "",
@@ -597,11 +600,12 @@ class JobStore:
         failed: bool,
         prompt_tokens: int = 0,
         completion_tokens: int = 0,
+        cached_tokens: int = 0,
     ) -> None:
         """``write`` inside a pipeline (the submitter's error records)."""
         self._write(
             keys=self.keys(job_id),
-            args=self._write_args(line, record, failed, prompt_tokens, completion_tokens),
+            args=self._write_args(line, record, failed, prompt_tokens, completion_tokens, cached_tokens),
             client=pipe,
         )
 
@@ -653,12 +657,21 @@ class JobStore:
         return _s(answer)
 
     def write(
-        self, job_id: str, line: int, record: dict, failed: bool, prompt_tokens: int = 0, completion_tokens: int = 0
+        self,
+        job_id: str,
+        line: int,
+        record: dict,
+        failed: bool,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        cached_tokens: int = 0,
     ) -> tuple[bool, str]:
         """Store a line's record once: ``(is_new, status)``. Counters move only when it is new, in
-        the same script. Finalizes the job when this was its last line."""
+        the same script (``cached_tokens``: of its prompt tokens, those the prefix cache served). Finalizes the
+        job when this was its last line."""
         new, status = self._write(
-            keys=self.keys(job_id), args=self._write_args(line, record, failed, prompt_tokens, completion_tokens)
+            keys=self.keys(job_id),
+            args=self._write_args(line, record, failed, prompt_tokens, completion_tokens, cached_tokens),
         )
         status = _s(status)
         if status == "finalizing":  # this was the last line (or a retry of it whose reply was lost)
@@ -669,7 +682,7 @@ class JobStore:
         """Give up a line's lease without a record (cancelled, retried, requeued)."""
         return _s(self._release(keys=self.keys(job_id), args=[_line_key(line), self.ttl]))
 
-    def _write_args(self, line, record, failed, prompt_tokens, completion_tokens) -> list:
+    def _write_args(self, line, record, failed, prompt_tokens, completion_tokens, cached_tokens=0) -> list:
         return [
             _line_key(line),
             json.dumps(record, separators=(",", ":")),
@@ -677,6 +690,7 @@ class JobStore:
             int(prompt_tokens),
             int(completion_tokens),
             self.ttl,
+            int(cached_tokens),
         ]
 
     # -- anyone -----------------------------------------------------------------------------------
@@ -847,6 +861,8 @@ class JobStore:
                 "prompt_tokens": num("prompt_tokens"),
                 "completion_tokens": num("completion_tokens"),
                 "total_tokens": num("prompt_tokens") + num("completion_tokens"),
+                # of the prompt tokens, those the engines' prefix caches served (the records' cached_tokens, summed)
+                "prompt_tokens_details": {"cached_tokens": num("cached_tokens")},
             },
             "metadata": json.loads(d.get("metadata") or "{}"),
             "errors": json.loads(d.get("errors") or "[]"),
