@@ -325,3 +325,55 @@ def test_engine_aborted_holder_releases_the_others(tiny_model_dir, loaded):
     assert eng.stats()["kv_blocks_free"] == eng.stats()["kv_blocks_total"]
     got = [outs[r].token_ids for r in rids[1:]]
     assert got == alone(tiny_model_dir, loaded, prompts[1:], [greedy()] * 2)
+
+
+def docqa_computed(tiny_model_dir, loaded, *, grouped: bool, num_kv_blocks: int, concurrency: int = 6):
+    """Document questions (16 documents of 80 words, 3 questions each, shuffled) fed to an engine as a worker
+    does, at most ``concurrency`` at a time in queue order; ``grouped``: in the submitter's order
+    (``batchery.jobs.submit.prefix_key``). Returns (prompt tokens computed, the minimum: each distinct prefix
+    once, the size of the prompts' token trie)."""
+    from batchery.jobs.submit import prefix_key
+
+    eng = make_engine(tiny_model_dir, loaded, num_kv_blocks=num_kv_blocks, max_num_seqs=16, max_num_batched_tokens=256)
+    rng = random.Random(0)
+    lines = []
+    for _ in range(16):
+        doc = " ".join(rng.choice(WORDS) for _ in range(80))
+        lines += [(doc, " ".join(rng.choice(WORDS) for _ in range(3 + q))) for q in range(3)]
+    rng.shuffle(lines)
+    if grouped:
+        chat = "/v1/chat/completions"
+        lines.sort(
+            key=lambda x: prefix_key(chat, {"messages": [{"role": "system", "content": x[0]}, {"content": x[1]}]})
+        )
+    prompts = [eng.encode(f"{doc} . {q}") for doc, q in lines]
+    minimum = len({tuple(p[:i]) for p in prompts for i in range(1, len(p) + 1)})
+    queue = iter(prompts)
+
+    def feed() -> None:
+        p = next(queue, None)
+        if p is not None:
+            eng.add_request(f"p{next(_rid)}", p, greedy())
+
+    for _ in range(concurrency):
+        feed()
+    for _ in range(20_000):
+        if not eng.has_unfinished():
+            break
+        for _ in eng.step():
+            feed()
+    assert eng.stats()["kv_blocks_free"] == eng.stats()["kv_blocks_total"]
+    return eng.stats()["num_prompt_tokens_computed"], minimum
+
+
+def test_docqa_grouped_computes_each_document_about_once_with_a_pool_too_small_for_all(
+    tiny_model_dir, loaded, monkeypatch
+):
+    # 60 blocks of 8 tokens hold about 5 of the 16 documents (about 85 tokens each)
+    computed, minimum = docqa_computed(tiny_model_dir, loaded, grouped=True, num_kv_blocks=60)
+    assert computed <= 1.3 * minimum
+    shuffled, _ = docqa_computed(tiny_model_dir, loaded, grouped=False, num_kv_blocks=60)
+    assert shuffled > 1.5 * minimum  # the pool cannot hold every document: order matters
+    monkeypatch.setattr(scheduler_module, "MAX_PREFIX_WAIT_STEPS", 0)
+    unheld, _ = docqa_computed(tiny_model_dir, loaded, grouped=True, num_kv_blocks=60)
+    assert unheld > 1.3 * minimum  # grouped, but each question of a document computing it at once
