@@ -328,6 +328,7 @@ class LLMEngine:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
             "num_forked_choices": self.scheduler.num_forks,
+            "num_prefix_waits": self.scheduler.num_prefix_waits,
             "grammar_compiled": int(getattr(grammars, "num_compiled", 0)),
             "grammar_cache_hits": int(getattr(grammars, "num_hits", 0)),
             "time": time.time(),

@@ -178,8 +178,8 @@ def test_run_embedded_on_the_example_with_the_default_model(tmp_path):
         assert "embedded Redis and a worker for smollm2-135m-instruct" in proc.stderr
         assert re.search(r"completed batch_\w+: 19 lines ok, 1 failed", proc.stderr), proc.stderr
         assert re.search(
-            r"tokens: \d+ prompt \+ \d+ completion; wall [\d.]+ s, generating [\d.]+ s: [\d.]+ "
-            r"completion tokens/s",
+            r"tokens: \d+ prompt \(\d+ from the prefix cache\) \+ \d+ completion; "
+            r"wall [\d.]+ s, generating [\d.]+ s: [\d.]+ completion tokens/s",
             proc.stderr,
         )
         oks = [json.loads(x) for x in out.read_text().splitlines()]

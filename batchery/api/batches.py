@@ -434,7 +434,9 @@ class Batches:
             "request_counts": job.request_counts.model_dump(),
             "usage": {
                 "input_tokens": u.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {
+                    "cached_tokens": u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
+                },
                 "output_tokens": u.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": u.total_tokens,

@@ -1014,6 +1014,7 @@ class BatchUsage(_Open):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None  # of the prompt tokens, those from the prefix cache
 
 
 class BatchError(_Open):
