@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -323,6 +324,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model = config.model
     dev = resolve_device(config.device)
     torch_dtype = resolve_dtype(config.dtype, dev)
+    log.info("loading model %s (%s) on %s", model, str(torch_dtype).removeprefix("torch."), dev)
+    t0 = time.perf_counter()
     path = _model_path(model)
     common = dict(trust_remote_code=config.trust_remote_code, local_files_only=True)
     src, extra = str(path), {}
@@ -333,7 +336,6 @@ def load_model(config: EngineConfig) -> LoadedModel:
                 src, extra = str(convert_gguf(path)), {}
             except Exception as e:  # a full disk, a read-only cache: the GGUF itself still loads
                 log.warning("could not keep a converted %s in the model cache (%s); loading the GGUF", path, e)
-    log.info("loading model %s (%s) on %s", model, str(torch_dtype).removeprefix("torch."), dev)
     try:
         tokenizer = AutoTokenizer.from_pretrained(src, **common, **extra)
         hf_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, **common, **extra, **_dense_gguf(extra))
@@ -349,6 +351,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         hf_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, **common, **extra, **_dense_gguf(extra))
     hf_model.to(dev).eval()  # type: ignore[arg-type]  # transformers types to() through a decorator that drops self
     hf_model.requires_grad_(False)
+    log.info("loaded model %s from %s in %.2f s", model, src if not extra else path, time.perf_counter() - t0)
     if dev.type == "cpu" and torch_dtype in (torch.float32, torch.bfloat16):
         from batchery.engine import fast_linear
 
