@@ -29,7 +29,6 @@ path without graphs, which is how the CPU tests check the padding and buffer log
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -156,7 +155,7 @@ class DecodeGraphs:
     def run(self, p: PackedStep) -> torch.Tensor:
         """One decode-only step of ``n <= max_size`` sequences; returns their [n, vocab] logits, a
         view of the shared buffer that the next step overwrites (sample from it before then)."""
-        n = len(p.input_ids)
+        n = p.num_tokens
         bs = next(s for s in self.sizes if s >= n)
         self.stage(p, bs)
         self.num_runs += 1
@@ -169,8 +168,9 @@ class DecodeGraphs:
     def stage(self, p: PackedStep, bs: int) -> None:
         """The step's inputs into the first ``bs`` rows of the static buffers: written into the
         host buffers, then three non-blocking copies. Rows ``n:bs`` are padding (slot -1, context
-        0), since an earlier, larger batch left real slots and lengths there."""
-        n = len(p.input_ids)
+        0), since an earlier, larger batch left real slots and lengths there. Block tables are the
+        persistent batch's rows, whole (``p.block_tables`` is as wide as the static buffer)."""
+        n = p.num_tokens
         if self.staged is not None:
             self.staged.synchronize()  # the previous step's copies have read the host buffers
         hl = self.host_long.numpy()
@@ -181,22 +181,14 @@ class DecodeGraphs:
         lens = self.host_lens.numpy()
         lens[:n] = p.decode_lens
         lens[n:bs] = 0
-        fill_tables(self.host_tables.numpy(), p.decode_tables)
+        tables = self.host_tables.numpy()
+        if p.block_tables.dtype == tables.dtype and p.block_tables.shape[1] == tables.shape[1]:
+            np.take(p.block_tables, p.decode_rows, axis=0, out=tables[:n])
+        else:  # narrower tables (a test's): zero-padded to the static width
+            tables[:n] = 0
+            tables[:n, : p.block_tables.shape[1]] = p.block_tables[p.decode_rows]
         self.long_inputs[:, :bs].copy_(self.host_long[:, :bs], non_blocking=True)
         self.context_lens[:bs].copy_(self.host_lens[:bs], non_blocking=True)
         self.block_tables[:n].copy_(self.host_tables[:n], non_blocking=True)
         if self.staged is not None:
             self.staged.record()
-
-
-def fill_tables(out: np.ndarray, tables: list[list[int]]) -> None:
-    """Block tables into the first rows of ``out`` [rows, width], each zero-padded to the longest
-    (columns past it keep what an earlier step left: no kernel reads past a row's context).
-    Through numpy, as ``packed_step.padded_tables``, but into a persistent buffer."""
-    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-    width = int(lens.max())
-    view = out[: len(tables), :width]
-    view.fill(0)
-    view[np.arange(width)[None, :] < lens[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(tables), dtype=out.dtype, count=int(lens.sum())
-    )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import itertools
 import logging
 import mmap
 import os
@@ -25,7 +24,8 @@ from batchery.engine.config import EngineConfig
 from batchery.engine.cuda_graphs import DecodeGraphs
 from batchery.engine.loader import LoadedModel
 from batchery.engine.outputs import ModelRunnerOutput
-from batchery.engine.packed_step import PackedPrefill, PackedStep, padded_tables
+from batchery.engine.packed_step import PackedPrefill, PackedStep
+from batchery.engine.persistent_batch import PersistentBatch
 from batchery.engine.sampler import Sampler
 from batchery.engine.sequence import Sequence
 
@@ -59,6 +59,17 @@ def run_model(
     finally:
         set_metadata(None)
     return out.logits[0]  # [num_keep, vocab]
+
+
+_TORCH_DTYPE = {np.int64: torch.int64, np.int32: torch.int32, np.uint8: torch.uint8}
+
+
+def _slots_into(out: np.ndarray, blocks: np.ndarray, positions: np.ndarray, block_size: int) -> None:
+    """The KV slots of ``positions`` into ``out``: ``blocks`` (the block holding each position)
+    times the block size, plus the offset in the block; in int64 whatever the tables' dtype."""
+    out[:] = blocks
+    out *= block_size
+    out += positions % block_size
 
 
 def cpu_available_memory() -> int:
@@ -121,6 +132,12 @@ class ModelRunner:
         shape = (self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [(self._zeroed(shape), self._zeroed(shape)) for _ in range(self.num_layers)]
         self.backend = self._pick_backend()
+        # every sequence's block table as a row kept from step to step (int32 as the Triton kernels read them)
+        self.batch = PersistentBatch(
+            config.max_num_seqs,
+            -(-self.max_model_len // self.block_size),
+            np.int32 if self.backend == "triton" else np.int64,
+        )
         self.sampler = Sampler(self.device, config.seed)
         self.graphs = self._capture_graphs()
 
@@ -216,73 +233,136 @@ class ModelRunner:
         return "triton"
 
     def pack(self, seqs: list[Sequence], num_new_tokens: list[int]) -> PackedStep:
-        """The step as host lists: decode sequences first, then prefill chunks."""
+        """The step on the host: decode sequences first, then prefill chunks, each sequence's
+        block table a row of the persistent batch (synced here: only rows that changed are written).
+        Per sequence only a few reads; the per-token arrays (slots, positions) are numpy operations."""
         bs = self.block_size
-        order = sorted(range(len(seqs)), key=lambda i: not (num_new_tokens[i] == 1 and seqs[i].num_computed_tokens > 0))
-        p = PackedStep()
-        for i in order:
-            seq, n = seqs[i], num_new_tokens[i]
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            q_start = len(p.input_ids)
-            p.input_ids.extend(seq.token_ids[start:end])
-            p.positions.extend(range(start, end))
-            table = seq.block_table
-            p.slots.extend(table[q // bs] * bs + q % bs for q in range(start, end))
+        batch = self.batch
+        batch.begin_step()
+        row = batch.row
+        dec_rows: list[int] = []
+        dec_pos: list[int] = []
+        dec_ids: list[int] = []
+        keep: list[int] = []
+        sample_seqs: list[Sequence] = []
+        chunks: list[tuple[Sequence, int]] = []
+        num_tokens = 0
+        for seq, n in zip(seqs, num_new_tokens, strict=True):
+            start = seq.num_computed_tokens
             if n == 1 and start > 0:
-                p.decode_tables.append(table)
-                p.decode_lens.append(end)
+                token_ids = seq.token_ids
+                if start + 1 == len(token_ids):  # the whole sequence is computed: sample its next token
+                    keep.append(len(dec_rows))
+                    sample_seqs.append(seq)
+                dec_rows.append(row(seq))
+                dec_pos.append(start)
+                dec_ids.append(token_ids[start])
             else:
-                p.prefills.append(PackedPrefill(q_start, n, end, table))
-            if end == seq.num_tokens:  # the whole sequence is computed: sample its next token
-                p.logits_idx.append(q_start + n - 1)
-                p.sample_seqs.append(seq)
+                chunks.append((seq, n))
+                num_tokens += n
+        nd = len(dec_rows)
+        num_tokens += nd
+        tables = batch.tables
+        ids = np.empty(num_tokens, dtype=np.int64)  # [num_tokens]
+        pos = np.empty(num_tokens, dtype=np.int64)  # [num_tokens]
+        slots = np.empty(num_tokens, dtype=np.int64)  # [num_tokens]
+        p = PackedStep(input_ids=ids, positions=pos, slots=slots, sample_seqs=sample_seqs, block_tables=tables)
+        if nd:
+            rows = np.array(dec_rows, dtype=np.intp)
+            ids[:nd] = dec_ids
+            dpos = pos[:nd]
+            dpos[:] = dec_pos
+            _slots_into(slots[:nd], tables[rows, dpos // bs], dpos, bs)
+            p.decode_rows = rows
+            p.decode_lens = dpos + 1
+            p.decode_width = max(int(batch.num_blocks[rows].max()), 1)
+        if chunks:
+            prefill_rows = []
+            q = nd
+            for seq, n in chunks:
+                start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+                r = row(seq)
+                ids[q : q + n] = seq.token_ids[start:end]
+                cpos = pos[q : q + n]
+                cpos[:] = np.arange(start, end)
+                _slots_into(slots[q : q + n], tables[r, cpos // bs], cpos, bs)
+                p.prefills.append(PackedPrefill(q, n, end, seq.block_table))
+                prefill_rows.append(r)
+                if end == seq.num_tokens:  # the whole sequence is computed: sample its next token
+                    keep.append(q + n - 1)
+                    sample_seqs.append(seq)
+                q += n
+            p.prefill_rows = np.array(prefill_rows, dtype=np.intp)
+            p.prefill_width = max(int(batch.num_blocks[p.prefill_rows].max()), 1)
+        p.logits_idx = np.array(keep, dtype=np.int64)
         return p
 
     def prepare(
         self, p: PackedStep
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, list[Sequence]]:
         """The packed step as device tensors: input ids and positions [1, num_tokens], the rows to
-        sample [num_sample], the attention metadata, and the sequences those rows sample for."""
+        sample [num_sample], the attention metadata, and the sequences those rows sample for. All of
+        it in one host-to-device copy (on the CPU, the host arrays themselves)."""
         bs = self.block_size
-        dev = self.device
-        slots, ids, pos, keep, lens = self._to_device([p.slots, p.input_ids, p.positions, p.logits_idx, p.decode_lens])
+        triton = self.backend == "triton"
+        nd, num_prefills = p.num_decode, len(p.prefills)
+        host: list[np.ndarray | list[int]] = [p.slots, p.input_ids, p.positions, p.logits_idx]
+        if nd:
+            host += [p.decode_lens.astype(np.int32) if triton else p.decode_lens, p.decode_tables()]
+        max_q = 0
+        if num_prefills:
+            host.append(p.prefill_tables())
+            if triton:
+                from batchery.engine.attention import triton_backend
+
+                cu, ctx, max_q = triton_backend.prefill_arrays(p.prefills)
+                host += [cu, ctx]
+        dev = self._to_device(host)
+        slots, ids, pos, keep = dev[:4]
         md = AttentionMetadata(
             slot_mapping=slots,
-            num_decode_tokens=len(p.decode_lens),
-            decode_block_tables=None,
-            decode_context_lens=None,
+            num_decode_tokens=nd,
+            decode_block_tables=dev[5] if nd else None,
+            decode_context_lens=dev[4] if nd else None,
             kv_caches=self.kv_caches,
             backend=self.backend,
         )
-        if p.decode_lens:
-            md.decode_block_tables = self._host_to_device(padded_tables(p.decode_tables))
-            md.decode_context_lens = lens
-        if self.backend == "triton":
-            from batchery.engine.attention import triton_backend
-
-            triton_backend.add_metadata(md, p.prefills, dev)
-        else:
-            for pf in p.prefills:
-                bt = None
-                if pf.has_prefix:  # [num_blocks] of its context; None: it attends only to its own new tokens
-                    bt = torch.tensor(pf.block_table[: -(-pf.context_len // bs)], dtype=torch.long, device=dev)
-                md.prefills.append(PrefillSeq(pf.q_start, pf.q_len, pf.context_len, bt))
+        if num_prefills:
+            i = 6 if nd else 4
+            if triton:
+                md.prefill_block_tables, md.prefill_cu_seqlens_q, md.prefill_context_lens = dev[i : i + 3]
+                md.prefill_max_q = max_q
+            else:
+                tables = dev[i]
+                for j, pf in enumerate(p.prefills):
+                    # [num_blocks] of its context; None: it attends only to its own new tokens
+                    bt = tables[j, : -(-pf.context_len // bs)] if pf.has_prefix else None
+                    md.prefills.append(PrefillSeq(pf.q_start, pf.q_len, pf.context_len, bt))
         return ids[None], pos[None], keep, md, p.sample_seqs
 
-    def _host_to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A CPU tensor on the device. On CUDA through pinned memory (torch's caching host
-        allocator, which keeps the block until the copy has read it) and a non-blocking copy: from
-        pageable memory every copy blocks the host until it is done. Elsewhere ``t`` itself."""
+    def _to_device(self, arrays: list[np.ndarray | list[int]]) -> list[torch.Tensor]:
+        """Host arrays (int lists become int64) as device tensors of their dtypes and shapes. On
+        CUDA in one copy: packed into one pinned byte buffer (torch's caching host allocator keeps
+        the block until the copy has read it), sent with one non-blocking copy (from pageable
+        memory every copy blocks the host until it is done), returned as views of the device copy.
+        Elsewhere the arrays themselves, as tensors."""
+        arrs = [np.asarray(a, dtype=np.int64) if isinstance(a, list) else np.ascontiguousarray(a) for a in arrays]
         if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
-
-    def _to_device(self, lists: list[list[int]]) -> list[torch.Tensor]:
-        """Several int lists as int64 device tensors, in one copy: packed into one host array,
-        sent once, and returned as views of the device copy."""
-        flat = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=sum(map(len, lists)))
-        whole = self._host_to_device(torch.from_numpy(flat))
-        return list(torch.split(whole, [len(x) for x in lists]))
+            return [torch.from_numpy(a) for a in arrs]
+        sizes = [(a.nbytes + 7) & ~7 for a in arrs]  # 8-byte aligned, so every segment can be viewed as int64
+        buf = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
+        view = buf.numpy()
+        off = 0
+        for a, size in zip(arrs, sizes, strict=True):
+            view[off : off + a.nbytes] = a.reshape(-1).view(np.uint8)
+            off += size
+        whole = buf.to(self.device, non_blocking=True)
+        out = []
+        off = 0
+        for a, size in zip(arrs, sizes, strict=True):
+            out.append(whole[off : off + a.nbytes].view(_TORCH_DTYPE[a.dtype.type]).view(a.shape))
+            off += size
+        return out
 
     def forward(
         self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor | int, md: AttentionMetadata
@@ -294,9 +374,11 @@ class ModelRunner:
         """One engine step on the device: the scheduled tokens through the model, then a token sampled
         for every sequence that is now fully computed."""
         p = self.pack(seqs, num_new_tokens)
-        if self.graphs is not None and not p.prefills and len(p.decode_lens) <= self.graphs.max_size:
+        if self.graphs is not None and not p.prefills and p.num_decode <= self.graphs.max_size:
             logits = self.graphs.run(p)
             sample_seqs = p.sample_seqs
+            if len(sample_seqs) != p.num_decode:  # a 1-token chunk of a longer recompute samples nothing
+                logits = logits[torch.from_numpy(p.logits_idx).to(self.device)]
         else:
             ids, pos, keep, md, sample_seqs = self.prepare(p)
             if not sample_seqs:

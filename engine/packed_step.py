@@ -1,17 +1,24 @@
-"""One engine step packed as host lists: the boundary between the model runner's packing and
-what turns it into device tensors (the eager path in ``model_runner``, the static buffers in
-``cuda_graphs``). Plain lists and ints; the one torch helper here pads block tables."""
+"""One engine step packed on the host: the boundary between the model runner's packing and what
+turns it into device tensors (the eager path in ``model_runner``, the static buffers in
+``cuda_graphs``). Numpy arrays and plain ints: each step's per-token inputs are computed with
+array operations, and block tables are rows of the persistent batch (``persistent_batch``), not
+lists rebuilt every step."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
-import torch
 
 from batchery.engine.sequence import Sequence
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
+
+
+def _empty() -> np.ndarray:
+    return _EMPTY
 
 
 class PackedPrefill(NamedTuple):
@@ -31,25 +38,36 @@ class PackedPrefill(NamedTuple):
 
 @dataclass
 class PackedStep:
-    """One step as host lists, before it becomes device tensors. Decode tokens come first, then
-    the prefill chunks, each sequence's tokens contiguous."""
+    """One step on the host, before it becomes device tensors. Decode tokens come first, then the
+    prefill chunks, each sequence's tokens contiguous. The int arrays are int64 unless noted."""
 
-    input_ids: list[int] = field(default_factory=list)  # [num_tokens] the tokens computed this step
-    positions: list[int] = field(default_factory=list)  # [num_tokens] their positions in their sequence
-    slots: list[int] = field(default_factory=list)  # [num_tokens] KV-cache slot each token's K/V goes to
-    logits_idx: list[int] = field(default_factory=list)  # [num_sample] rows of the batch to sample from
+    input_ids: np.ndarray = field(default_factory=_empty)  # [num_tokens] the tokens computed this step
+    positions: np.ndarray = field(default_factory=_empty)  # [num_tokens] their positions in their sequence
+    slots: np.ndarray = field(default_factory=_empty)  # [num_tokens] KV-cache slot each token's K/V goes to
+    logits_idx: np.ndarray = field(default_factory=_empty)  # [num_sample] rows of the batch to sample from
     sample_seqs: list[Sequence] = field(default_factory=list)  # [num_sample] the sequences those rows sample for
-    decode_tables: list[list[int]] = field(default_factory=list)  # [num_decode] each decode sequence's block table
-    decode_lens: list[int] = field(default_factory=list)  # [num_decode] their context lengths, new token included
+    # the persistent batch's [max_rows, max_blocks] block tables (``PersistentBatch.tables``), which the
+    # rows below index; entries past a table's length are 0
+    block_tables: np.ndarray = field(default_factory=lambda: np.zeros((0, 1), dtype=np.int64))
+    decode_rows: np.ndarray = field(default_factory=_empty)  # [num_decode] each decode sequence's row
+    decode_lens: np.ndarray = field(default_factory=_empty)  # [num_decode] their context lengths, new token included
+    decode_width: int = 1  # the longest decode block table (at least 1)
     prefills: list[PackedPrefill] = field(default_factory=list)  # the prefill chunks, in batch order
+    prefill_rows: np.ndarray = field(default_factory=_empty)  # [num_prefills] their rows in ``block_tables``
+    prefill_width: int = 1  # the longest prefill block table (at least 1)
 
+    @property
+    def num_decode(self) -> int:
+        return len(self.decode_rows)
 
-def padded_tables(tables: list[list[int]], dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """Block tables as one [len(tables), longest] CPU tensor, zero-padded. Through numpy: about 3x
-    faster than ``torch.tensor`` on padded lists, which matters with hundreds of sequences a step."""
-    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-    out = np.zeros((len(tables), int(lens.max())), dtype=torch.empty((), dtype=dtype).numpy().dtype)
-    out[np.arange(out.shape[1])[None, :] < lens[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(tables), dtype=out.dtype, count=int(lens.sum())
-    )
-    return torch.from_numpy(out)
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def decode_tables(self) -> np.ndarray:
+        """[num_decode, decode_width] the decode sequences' block tables, zero-padded (a new array)."""
+        return self.block_tables[self.decode_rows, : self.decode_width]
+
+    def prefill_tables(self) -> np.ndarray:
+        """[num_prefills, prefill_width] the prefill chunks' block tables, zero-padded (a new array)."""
+        return self.block_tables[self.prefill_rows, : self.prefill_width]

@@ -132,7 +132,10 @@ def test_dropped_engine_frees_its_kv_pool_without_gc(tiny_model_dir, with_graphs
 def test_decode_inputs_staged_through_persistent_host_buffers(tiny_model_dir):
     """The graph path's inputs go through persistent host buffers (pinned only on CUDA) into the
     static buffers; a smaller batch after a larger one leaves padding rows that store nothing
-    (slot -1) and attend to nothing (context 0), and block tables zero-padded to the longest."""
+    (slot -1) and attend to nothing (context 0), and block tables are the persistent batch's rows
+    (zero past each table's end)."""
+    import numpy as np
+
     from batchery.engine.llm_engine import LLMEngine
     from batchery.engine.loader import load_model
     from batchery.engine.packed_step import PackedStep
@@ -141,18 +144,20 @@ def test_decode_inputs_staged_through_persistent_host_buffers(tiny_model_dir):
     eng = LLMEngine(config, loaded=load_model(config))
     g = eng.runner.build_decode_graphs(capture=False)
     assert g.host_long.is_pinned() == (DEVICE == "cuda") == g.host_tables.is_pinned()
-    big = PackedStep(
-        input_ids=[7, 8, 9, 10, 11],
-        positions=[4, 5, 6, 7, 8],
-        slots=[20, 33, 46, 59, 62],
-        decode_tables=[[5], [8, 3], [11, 2], [14, 9], [15, 16, 4]],
-        decode_lens=[5, 6, 7, 8, 9],
-    )
-    g.stage(big, 6)
-    small = PackedStep(
-        input_ids=[3, 4], positions=[9, 2], slots=[41, 9], decode_tables=[[10, 12, 1], [2]], decode_lens=[10, 3]
-    )
-    g.stage(small, 4)
+    width = g.block_tables.shape[1]
+    tables = np.zeros((8, width), dtype=np.int32)  # a persistent batch's rows
+    for r, t in enumerate([[5], [8, 3], [11, 2], [14, 9], [15, 16, 4], [10, 12, 1], [2]]):
+        tables[r, : len(t)] = t
+
+    def step(ids, pos, slots, rows, lens):
+        a = [np.array(x, dtype=np.int64) for x in (ids, pos, slots, rows, lens)]
+        return PackedStep(
+            input_ids=a[0], positions=a[1], slots=a[2], block_tables=tables, decode_rows=a[3], decode_lens=a[4]
+        )
+
+    g.stage(step([7, 8, 9, 10, 11], [4, 5, 6, 7, 8], [20, 33, 46, 59, 62], [0, 1, 2, 3, 4], [5, 6, 7, 8, 9]), 6)
+    assert g.block_tables[:5, :3].tolist() == [[5, 0, 0], [8, 3, 0], [11, 2, 0], [14, 9, 0], [15, 16, 4]]
+    g.stage(step([3, 4], [9, 2], [41, 9], [5, 6], [10, 3]), 4)
     assert g.input_ids[0, :2].tolist() == [3, 4]
     assert g.positions[0, :2].tolist() == [9, 2]
     assert g.slots[:4].tolist() == [41, 9, -1, -1]

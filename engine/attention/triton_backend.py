@@ -5,6 +5,7 @@ over block tables; both read K/V only from the cache, so a cached prefix costs n
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from batchery.engine.attention.metadata import AttentionMetadata
@@ -12,25 +13,16 @@ from batchery.engine.attention.triton_attention import paged_decode_attention, p
 from batchery.engine.packed_step import PackedPrefill
 
 
-def add_metadata(md: AttentionMetadata, prefills: list[PackedPrefill], device: torch.device) -> None:
-    """Int32 views of the step's tables, built once per step rather than once per layer.
-    ``prefills``: the step's prefill chunks, in batch order."""
-    if md.decode_block_tables is not None:
-        assert md.decode_context_lens is not None  # set together with the decode tables
-        md.decode_block_tables = md.decode_block_tables.int()
-        md.decode_context_lens = md.decode_context_lens.int()
-    if not prefills:
-        return
-    cu = [0]
-    for pf in prefills:
-        cu.append(cu[-1] + pf.q_len)
-    width = max(len(pf.block_table) for pf in prefills)
-    md.prefill_cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=device)
-    md.prefill_context_lens = torch.tensor([pf.context_len for pf in prefills], dtype=torch.int32, device=device)
-    md.prefill_block_tables = torch.tensor(
-        [pf.block_table + [0] * (width - len(pf.block_table)) for pf in prefills], dtype=torch.int32, device=device
-    )
-    md.prefill_max_q = max(pf.q_len for pf in prefills)
+def prefill_arrays(prefills: list[PackedPrefill]) -> tuple[np.ndarray, np.ndarray, int]:
+    """The varlen description of the step's prefill chunks (in batch order), on the host, int32 as
+    the kernel reads them: cumulative query lengths [num_prefills + 1], context lengths
+    [num_prefills], and the longest query. The model runner sends them with the step's other inputs
+    in one copy; the block tables come from the persistent batch."""
+    q_lens = np.fromiter((pf.q_len for pf in prefills), dtype=np.int32, count=len(prefills))
+    cu = np.zeros(len(prefills) + 1, dtype=np.int32)
+    np.cumsum(q_lens, out=cu[1:])
+    ctx = np.fromiter((pf.context_len for pf in prefills), dtype=np.int32, count=len(prefills))
+    return cu, ctx, int(q_lens.max())
 
 
 def paged_attention(
