@@ -31,7 +31,9 @@ against the minimum: every distinct prefix of the tokenized prompts once, plus e
 tail, by exact longest-common-prefix matching (``vllm_peer.min_prompt_tokens``; the block-granular
 minimum at Batchery's block size is printed beside it). The prompts are tokenized with the model's
 tokenizer and chat template as Batchery renders them; each side's own ``prompt_tokens`` are shown too.
-Every output line must parse and every line of the file must be answered, with the requested length."""
+Every output line must parse and every line of the file must be answered, with the requested length.
+Run it on a quiet machine (vLLM-CPU binds and spins its OpenMP threads on the cores); ``--keep DIR``
+keeps the file, outputs and logs, ``--json PATH`` the figures."""
 
 from __future__ import annotations
 
@@ -46,7 +48,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_peer import batchery_bin, hf_dir, min_prompt_tokens, require_vllm_python, vllm_env  # noqa: E402
+from vllm_peer import (  # noqa: E402
+    batchery_bin,
+    cpu_line,
+    hf_dir,
+    min_prompt_tokens,
+    require_vllm_python,
+    vllm_env,
+    write_json,
+)
 from workload import VOCAB  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -325,7 +335,7 @@ def run_vllm_batch(file: Path, workdir: Path, model_dir: Path, served: str, dtyp
 
 
 # -- report --------------------------------------------------------------------------------------
-def report(name: str, run: dict, records: dict[str, dict], minimum: int) -> None:
+def report(name: str, run: dict, records: dict[str, dict], minimum: int) -> dict:
     prompt, cached = prompt_usage(list(records.values()))
     computed = prompt - cached
     print(
@@ -333,19 +343,32 @@ def report(name: str, run: dict, records: dict[str, dict], minimum: int) -> None
         f"hit rate {100 * cached / prompt:5.1f}%"
         f"   prompt {prompt} tokens, computed {computed} ({computed / minimum:.2f}x the minimum)"
     )
+    figures = {k: run[k] for k in ("wall_s", "work_s", "startup_s", "ready_s") if k in run}
+    return figures | {
+        "lines": len(records),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt,
+        "computed": computed,
+        "computed_over_minimum": computed / minimum,
+    }
 
 
-def per_worker(records: dict[str, dict], owner: dict[str, int], num_workers: int) -> None:
+def per_worker(records: dict[str, dict], owner: dict[str, int], num_workers: int) -> list[dict]:
+    out = []
     for w in range(num_workers):
         mine = [r for cid, r in records.items() if owner.get(cid) == w]
         if not mine:
             print(f"    worker {w}: no lines")
+            out.append({"lines": 0})
             continue
         prompt, cached = prompt_usage(mine)
         print(f"    worker {w}: {len(mine)} lines, hit rate {100 * cached / prompt:5.1f}%, computed {prompt - cached}")
+        out.append({"lines": len(mine), "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt})
     unknown = len(records) - sum(1 for cid in records if cid in owner)
     if unknown:
         print(f"    ({unknown} lines not found in the workers' logs)")
+    return out
 
 
 def main() -> None:
@@ -362,6 +385,7 @@ def main() -> None:
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--vllm-arg", action="append", default=[], help="one more argument for vllm run-batch")
     ap.add_argument("--keep", metavar="DIR", help="keep the file, outputs and logs in DIR")
+    ap.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     args = ap.parse_args()
 
     import torch
@@ -388,6 +412,7 @@ def main() -> None:
     exact, blocked = min_prompt_tokens(prompts), min_prompt_tokens(prompts, BLOCK_SIZE)
     docs = {line["body"]["messages"][0]["content"] for line in lines}
     print(f"torch threads {torch.get_num_threads()}, dtype {dtype}, cpu {torch.backends.cpu.get_cpu_capability()}")
+    print(f"cpu: {cpu_line()}")
     print(
         f"{file}: {n} lines, {len(docs)} documents (min {min(len(d.split()) for d in docs)} words), "
         f"{args.max_tokens} tokens per answer; {sum(map(len, prompts))} prompt tokens, minimum computed {exact} "
@@ -410,22 +435,34 @@ def main() -> None:
         v = run_vllm_batch(file, workdir, model_dir, args.model, dtype, args.vllm_arg)
         results.append(("vllm run-batch", v, read_outputs(v["output"], lines, args.max_tokens)))
 
+    figures: dict = {
+        "cpu": cpu_line(),
+        "dtype": dtype,
+        "lines": n,
+        "documents": len(docs),
+        "max_tokens": args.max_tokens,
+        "prompt_tokens": sum(map(len, prompts)),
+        "minimum_exact": exact,
+        f"minimum_blocks_{BLOCK_SIZE}": blocked,
+        "runs": {},
+    }
     print(f"\nresults ({workdir}):")
     for name, run, records in results:
-        report(name, run, records, exact)
+        figures["runs"][name] = report(name, run, records, exact)
         side_prompt = prompt_usage(list(records.values()))[0]
         extra = f", start-up {run['startup_s']:.1f} s" if "startup_s" in run else ""
         if "ready_s" in run:
             extra = f", workers ready after {run['ready_s']:.1f} s"
         print(f"    {len(records)} of {n} lines answered, {side_prompt} prompt tokens by its own count{extra}")
         if run is multi:
-            per_worker(records, lines_by_worker(multi["logs"]), args.workers)
+            figures["runs"][name]["per_worker"] = per_worker(records, lines_by_worker(multi["logs"]), args.workers)
     if not args.skip_vllm:
         bw, vw = results[0][1], results[-1][1]
         print(
             f"\nbatchery run / vllm run-batch: {vw['wall_s'] / bw['wall_s']:.2f}x faster on wall (start-up included), "
             f"{vw['work_s'] / bw['work_s']:.2f}x on the work part"
         )
+    write_json(args.json, figures)
 
 
 if __name__ == "__main__":

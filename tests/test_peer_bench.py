@@ -185,3 +185,12 @@ def test_vllm_env_binds_the_same_thread_count():
     assert len(env["VLLM_CPU_OMP_THREADS_BIND"].split(",")) == 1
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2.5"
     assert "PYTHONPATH" not in env
+
+
+def test_cpu_line_and_json_figures(tmp_path):
+    line = vllm_peer.cpu_line()
+    assert " cores, flags " in line
+    path = tmp_path / "figures.json"
+    vllm_peer.write_json(str(path), {"ratio": 1.5, "where": tmp_path})
+    assert json.loads(path.read_text()) == {"ratio": 1.5, "where": str(tmp_path)}
+    vllm_peer.write_json(None, {"ratio": 1.5})  # no path: nothing written, no error
