@@ -14,6 +14,7 @@ and the GGUF is used and converted again. ``BATCHERY_MODEL_CACHE_CONVERT=0`` tur
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -247,8 +248,6 @@ def _drop(d: Path) -> None:
 def convert_gguf(gguf: Path) -> Path:
     """The converted Hugging Face directory of a GGUF, writing it on first use (see the module
     docstring). Raises when the GGUF cannot be converted."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     dest = converted_dir(gguf)
     try:
         _check_converted(dest)
@@ -258,6 +257,20 @@ def convert_gguf(gguf: Path) -> Path:
             log.warning("converted model %s is incomplete (%s); converting %s again", dest, e, gguf)
             _drop(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    # one conversion at a time per GGUF (workers sharing a model cache): the others wait, then read it
+    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            _check_converted(dest)
+            return dest
+        except ValueError:
+            pass
+        return _convert_locked(gguf, dest)
+
+
+def _convert_locked(gguf: Path, dest: Path) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     log.info("converting %s into %s (once; later loads read it)", gguf, dest)
     common: dict[str, Any] = dict(trust_remote_code=False, local_files_only=True, gguf_file=gguf.name)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".tmp-{dest.name}-"))

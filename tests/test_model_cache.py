@@ -354,3 +354,24 @@ def test_an_unreadable_calibration_cache_is_replaced(kernels, caplog):
         fast_linear.install(_linears((64, 128)))
     assert "unreadable" in caplog.text
     assert set(_only_host(path)["limits"]) == {"64x128:float32"}
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_two_processes_convert_once(cache):
+    import subprocess
+    import sys
+
+    code = "from batchery.engine.loader import hf_model_dir; print(hf_model_dir('smollm2-135m-instruct'))"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    dirs = {out.strip().splitlines()[-1] for out, _ in outs}
+    assert len(dirs) == 1 and Path(dirs.pop()) == _converted(cache)[0]
+    assert sum(err.count("Kept the converted") for _, err in outs) == 1, "converted twice"
