@@ -18,7 +18,7 @@ It is installed on the loaded model itself, so everything that runs the model (t
 HF baselines in our benchmarks) uses the same kernels. Set ``BATCHERY_CPU_KERNELS=0`` to keep torch.
 
 Calibration times F.linear at up to 512 rows (the fp32 LM head of a 49k vocabulary alone takes
-seconds), so its results are kept in the model cache (``<cache>/calibration/cpu-linear.json``), keyed
+seconds), so the loader keeps its results in the model cache (``<cache>/calibration/cpu-linear.json``), keyed
 by everything that could change them: the CPU (its model name and flags), the cores this process may
 use and torch's thread count, torch's version, the kernels' source and the calibration's own rows.
 A start on the same machine and software reads them; any change calibrates again. Delete the file to
@@ -155,17 +155,11 @@ def calibration_host() -> dict[str, Any]:
     }
 
 
-def calibration_cache_path() -> Path:
-    from batchery.engine.loader import model_cache_dir  # a leaf below the loader: imported on use
-
-    return model_cache_dir() / "calibration" / "cpu-linear.json"
-
-
 class _CalibrationCache:
     """Row limits by layer shape for this host (``calibration_host``), read and written as JSON."""
 
-    def __init__(self) -> None:
-        self.path = calibration_cache_path()
+    def __init__(self, path: Path) -> None:
+        self.path = path
         self.host = calibration_host()
         self.key = hashlib.sha256(json.dumps(self.host, sort_keys=True).encode()).hexdigest()
         self.data: dict[str, Any] = {"hosts": {}}
@@ -229,16 +223,19 @@ def _eligible(lin: torch.nn.Module, kernel: types.ModuleType) -> bool:
     return w.dtype == torch.bfloat16 and lin.in_features % 2 == 0 and bool(kernel.has_bf16_linear())
 
 
-def install(model: torch.nn.Module, max_rows: int | None = None) -> int:
+def install(model: torch.nn.Module, max_rows: int | None = None, calibration_cache: Path | None = None) -> int:
     """Route the model's fp32 and bf16 CPU ``nn.Linear`` layers through the kernels, for inputs of
     up to ``max_rows`` rows (None: calibrate each layer shape here, or read the calibration cache;
-    -1: any). Returns how many layers were routed (0 when the kernels cannot be built here or never win)."""
+    -1: any). ``calibration_cache``: a JSON file that keeps calibration results for this host (the
+    loader passes one in the model cache; None: calibrate every time). Returns how many layers were
+    routed (0 when the kernels cannot be built here or never win)."""
     kernel = cpu_kernels.load()
     if kernel is None:
         return 0
     embedding_ptrs = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     limits: dict[tuple[int, int, torch.dtype], int] = {}
-    cache = _CalibrationCache() if max_rows is None and _calibration_cache_on() else None
+    use_cache = max_rows is None and calibration_cache is not None and _calibration_cache_on()
+    cache = _CalibrationCache(calibration_cache) if use_cache and calibration_cache is not None else None
     count = 0
     for module in model.modules():
         if not _eligible(module, kernel):

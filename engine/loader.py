@@ -73,6 +73,11 @@ def model_cache_dir() -> Path:
     return Path(os.environ.get("BATCHERY_MODEL_CACHE", Path.home() / ".cache" / "batchery" / "models"))
 
 
+def calibration_cache_path() -> Path:
+    """Where the CPU kernels' calibration results are kept (``fast_linear.install``)."""
+    return model_cache_dir() / "calibration" / "cpu-linear.json"
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -368,5 +373,5 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if dev.type == "cpu" and torch_dtype in (torch.float32, torch.bfloat16):
         from batchery.engine import fast_linear
 
-        fast_linear.install(hf_model)
+        fast_linear.install(hf_model, calibration_cache=calibration_cache_path())
     return LoadedModel(hf_model, tokenizer, hf_model.config, torch_dtype, dev, model)

@@ -169,6 +169,7 @@ def test_cached_conversion_loads_bitwise_what_the_gguf_gives(cache, monkeypatch,
     second = loader.load_model(cfg)
     took = time.perf_counter() - t0
     assert Path(second.tokenizer.name_or_path) == conv and _converted(cache) == [conv]
+    assert loader.calibration_cache_path().exists(), "load_model keeps the CPU calibration in the model cache"
     for loaded in (first, second):
         _assert_same_model(direct, loaded)
         _assert_same_tokenizer(direct.tokenizer, loaded.tokenizer)
@@ -260,9 +261,9 @@ def test_calibration_is_kept_and_read_back(kernels):
 
     from batchery.engine import fast_linear
 
-    path = fast_linear.calibration_cache_path()
+    path = loader.calibration_cache_path()
     assert not path.exists()
-    fast_linear.install(_linears((64, 128), (128, 64), (64, 128)))
+    fast_linear.install(_linears((64, 128), (128, 64), (64, 128)), calibration_cache=path)
     entry = _only_host(path)
     assert set(entry["limits"]) == {"64x128:float32", "128x64:float32"}  # one calibration per shape
     assert set(entry["limits"].values()) <= {0, fast_linear.ANY, *fast_linear.CALIBRATION_ROWS}
@@ -274,10 +275,10 @@ def test_calibration_is_kept_and_read_back(kernels):
     data["hosts"][key] = entry
     path.write_text(json.dumps(data))
     model = _linears((64, 128), (128, 64))
-    assert fast_linear.install(model) == 2
+    assert fast_linear.install(model, calibration_cache=path) == 2
     assert _limits(model) == [7, 5]
     # a shape it has not seen is calibrated and added beside them
-    fast_linear.install(_linears((32, 48)))
+    fast_linear.install(_linears((32, 48)), calibration_cache=path)
     limits = _only_host(path)["limits"]
     assert limits.pop("32x48:float32") in {0, fast_linear.ANY, *fast_linear.CALIBRATION_ROWS}
     assert limits == {"64x128:float32": 7, "128x64:float32": 5}
@@ -288,8 +289,8 @@ def test_calibration_cache_off_neither_reads_nor_writes(kernels, monkeypatch):
 
     from batchery.engine import fast_linear
 
-    path = fast_linear.calibration_cache_path()
-    fast_linear.install(_linears((64, 128)))
+    path = loader.calibration_cache_path()
+    fast_linear.install(_linears((64, 128)), calibration_cache=path)
     data = json.loads(path.read_text())
     (key,) = data["hosts"]
     data["hosts"][key]["limits"] = {"64x128:float32": 7}
@@ -297,9 +298,16 @@ def test_calibration_cache_off_neither_reads_nor_writes(kernels, monkeypatch):
     before = path.read_bytes()
     monkeypatch.setenv("BATCHERY_CPU_CALIBRATION_CACHE", "0")
     model = _linears((64, 128), (32, 48))
-    fast_linear.install(model)
+    fast_linear.install(model, calibration_cache=path)
     assert 7 not in _limits(model)
     assert path.read_bytes() == before
+
+
+def test_without_a_cache_path_install_writes_nothing(kernels, tmp_path):
+    from batchery.engine import fast_linear
+
+    fast_linear.install(_linears((64, 128)))
+    assert not loader.calibration_cache_path().exists()
 
 
 def test_a_changed_host_key_calibrates_again(kernels):
@@ -307,8 +315,8 @@ def test_a_changed_host_key_calibrates_again(kernels):
 
     from batchery.engine import fast_linear
 
-    path = fast_linear.calibration_cache_path()
-    fast_linear.install(_linears((64, 128)))
+    path = loader.calibration_cache_path()
+    fast_linear.install(_linears((64, 128)), calibration_cache=path)
     data = json.loads(path.read_text())
     (key,) = data["hosts"]
     data["hosts"][key]["limits"] = {"64x128:float32": 7}
@@ -317,14 +325,14 @@ def test_a_changed_host_key_calibrates_again(kernels):
     try:
         torch.set_num_threads(threads + 1)  # another thread count: other timings, another key
         model = _linears((64, 128))
-        fast_linear.install(model)
+        fast_linear.install(model, calibration_cache=path)
         assert 7 not in _limits(model)
         hosts = json.loads(path.read_text())["hosts"]
         assert len(hosts) == 2 and hosts[key]["limits"] == {"64x128:float32": 7}, "the other host's entry is kept"
     finally:
         torch.set_num_threads(threads)
     model = _linears((64, 128))
-    fast_linear.install(model)
+    fast_linear.install(model, calibration_cache=path)
     assert _limits(model) == [7]  # back on the first key
 
 
@@ -347,11 +355,11 @@ def test_the_host_key_holds_cpu_torch_and_kernel_source(kernels):
 def test_an_unreadable_calibration_cache_is_replaced(kernels, caplog):
     from batchery.engine import fast_linear
 
-    path = fast_linear.calibration_cache_path()
+    path = loader.calibration_cache_path()
     path.parent.mkdir(parents=True)
     path.write_text("{half a fi")
     with caplog.at_level(logging.WARNING, logger="batchery.engine.kernels"):
-        fast_linear.install(_linears((64, 128)))
+        fast_linear.install(_linears((64, 128)), calibration_cache=path)
     assert "unreadable" in caplog.text
     assert set(_only_host(path)["limits"]) == {"64x128:float32"}
 
