@@ -21,7 +21,11 @@ Error policy:
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
 import random
+import socket
 import time
 from collections.abc import Callable
 
@@ -213,9 +217,21 @@ def _usage(r: GenerationResult) -> Usage:
     )
 
 
+@functools.cache
+def worker_id() -> str:
+    """This worker process's id in results: opaque (a hash of host, pid and start), so that outputs tell which lines
+    ran on one worker (and shared its prefix cache) without naming the machine to the tenant."""
+    seed = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
+    return hashlib.sha256(seed.encode()).hexdigest()[:12]
+
+
 def _timing(r: GenerationResult, started: float, attempt: int) -> Timing:
     return Timing(
-        task_started_at=started, engine_added_at=r.added_at, engine_finished_at=r.finished_at, attempt=attempt
+        task_started_at=started,
+        engine_added_at=r.added_at,
+        engine_finished_at=r.finished_at,
+        attempt=attempt,
+        worker=worker_id(),
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import urllib.request
 import uuid
+from collections import Counter
 
 import pytest
 from conftest import WorkerFactory, wait_for
@@ -100,6 +101,10 @@ def test_two_workers_on_one_queue_both_take_work(cluster):
     n1, n2 = served(a1) - before[0], served(a2) - before[1]
     assert n1 + n2 == 12
     assert n1 >= 1 and n2 >= 1, f"one worker did all the work: {n1} and {n2}"
+    # each result names the worker that ran it (an opaque id): two distinct ones, as often as each one served
+    ids = [r.timing.worker for r in results]
+    assert all(isinstance(i, str) and len(i) == 12 for i in ids), ids
+    assert sorted(Counter(ids).values()) == sorted([n1, n2]), (ids, n1, n2)
 
 
 def test_the_client_routes_by_model_name(cluster):

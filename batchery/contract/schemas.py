@@ -915,6 +915,8 @@ class Timing(_Open):
     engine_added_at: float
     engine_finished_at: float
     attempt: int = 0  # 0 = first attempt; n = n-th retry
+    # an opaque id of the worker process that ran it (a hash, never its host name): which lines shared a worker
+    worker: str | None = None
 
 
 class TopLogprob(_Open):
