@@ -69,6 +69,17 @@ def agreement(ours: list[list[int]], theirs: list[list[int]], n: int = AGREE_TOK
     return sum(a[:n] == b[:n] for a, b in zip(ours, theirs, strict=True)) / len(ours)
 
 
+def first_difference(ours: list[list[int]], theirs: list[list[int]], n: int = AGREE_TOKENS) -> list[int]:
+    """Per request, the index of the first token where the sides differ (``n`` when the first ``n`` agree)."""
+    out = []
+    for a, b in zip(ours, theirs, strict=True):
+        i = 0
+        while i < n and i < len(a) and i < len(b) and a[i] == b[i]:
+            i += 1
+        out.append(i)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -135,7 +146,11 @@ def main() -> None:
             )
         agree = None if ours_first is None else agreement(ours_first, v["token_ids"])
         if agree is not None:
-            print(f"  greedy agreement: {100 * agree:.0f}% of requests share their first {AGREE_TOKENS} tokens")
+            diff = sorted(first_difference(ours_first, v["token_ids"]))
+            print(
+                f"  greedy agreement: {100 * agree:.0f}% of requests share their first {AGREE_TOKENS} tokens "
+                f"(first difference at token {diff[len(diff) // 2]} in the median request, {diff[0]} at the earliest)"
+            )
         figures["dtypes"][dtype] = {
             "prompt_tokens": num_prompt,
             "generated_requested": useful,

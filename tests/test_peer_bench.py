@@ -194,3 +194,9 @@ def test_cpu_line_and_json_figures(tmp_path):
     vllm_peer.write_json(str(path), {"ratio": 1.5, "where": tmp_path})
     assert json.loads(path.read_text()) == {"ratio": 1.5, "where": str(tmp_path)}
     vllm_peer.write_json(None, {"ratio": 1.5})  # no path: nothing written, no error
+
+
+def test_first_difference():
+    import vs_vllm
+
+    assert vs_vllm.first_difference([[1, 2, 3], [1] * 20], [[1, 9, 3], [1] * 20]) == [1, 16]
