@@ -12,11 +12,13 @@ its ``batchery worker ready`` log line:
   the job's completion and the command's exit.
 
 Each start gets a phase breakdown from the worker's JSON log timestamps (interpreter and imports,
-model load, CPU kernel calibration, engine build, Celery start). The compiled CPU kernels live in
+model load, CPU kernel calibration, engine build, Celery start, the warm shutdown), and the CPU
+seconds the worker used up to ready (user + system): on a machine busy with other work that is
+closer to a quiet machine's wall time than the wall time is. The compiled CPU kernels live in
 torch's extension cache (``~/.cache/torch_extensions``) and are not cleared: "cold" is a new model
 cache, not a new machine.
 
-    .venv/bin/python benchmarks/startup.py                 # default model, fp32 on this CPU
+    .venv/bin/python benchmarks/startup.py                 # default model, dtype auto
     .venv/bin/python benchmarks/startup.py --dtype bfloat16 --warm 3 --no-convert
     .venv/bin/python benchmarks/startup.py --model /path/to/model.gguf
     .venv/bin/python benchmarks/startup.py --warm 1 --run examples/chat.jsonl
@@ -200,7 +202,18 @@ def phases(t_spawn: float, records: list[tuple[float, str, str]]) -> list[tuple[
     return out
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds a process has used (Linux /proc): on a busy machine a better
+    estimate of a quiet machine's wall time than the wall time itself, for a mostly one-threaded start."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def start_once(env: dict[str, str], log_path: Path, timeout: float) -> tuple[float, list[tuple[str, float]]]:
+    cpu = None
     with open(log_path, "wb") as logf:
         t_spawn = time.time()
         proc = subprocess.Popen(
@@ -211,6 +224,7 @@ def start_once(env: dict[str, str], log_path: Path, timeout: float) -> tuple[flo
             while True:
                 text = log_path.read_text(errors="replace")
                 if WORKER_READY_LINE in text:
+                    cpu = cpu_seconds(proc.pid)
                     break
                 if proc.poll() is not None:
                     raise SystemExit(f"the worker exited ({proc.returncode}) before it was ready:\n{text[-3000:]}")
@@ -230,6 +244,8 @@ def start_once(env: dict[str, str], log_path: Path, timeout: float) -> tuple[flo
     ready = next(ts for ts, _, msg in records if WORKER_READY_LINE in msg)
     stopped = next((ts for ts, _, msg in records if msg.startswith("worker stopped")), None)
     ph = phases(t_spawn, records)
+    if cpu is not None:
+        ph.append(("(CPU seconds used by the worker up to ready)", cpu))
     if stopped is not None:  # the warm shutdown that ends each start here, as it ends `batchery run`
         ph += [
             ("shutdown: SIGTERM to 'worker stopped'", stopped - t_term),
