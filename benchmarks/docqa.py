@@ -207,9 +207,17 @@ def prompt_usage(records: list[dict]) -> tuple[int, int]:
     return prompt, cached
 
 
-def lines_by_worker(logs: list[Path]) -> dict[str, int]:
-    """custom_id -> the index of the worker whose JSON log says it finished that line."""
+def lines_by_worker(logs: list[Path], records: dict[str, dict] | None = None) -> dict[str, int]:
+    """custom_id -> the index of the worker that ran that line: from the records' ``timing.worker`` (an opaque
+    per-process id, numbered in order of first appearance), else from the workers' JSON logs."""
     owner: dict[str, int] = {}
+    ids: dict[str, int] = {}
+    for cid, rec in sorted((records or {}).items()):
+        wid = (((rec.get("response") or {}).get("body") or {}).get("timing") or {}).get("worker")
+        if wid:
+            owner[cid] = ids.setdefault(wid, len(ids))
+    if owner:
+        return owner
     for w, log in enumerate(logs):
         for raw in log.read_text(errors="replace").splitlines():
             if not raw.startswith("{"):
@@ -367,7 +375,16 @@ def per_worker(records: dict[str, dict], owner: dict[str, int], num_workers: int
         out.append({"lines": len(mine), "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt})
     unknown = len(records) - sum(1 for cid in records if cid in owner)
     if unknown:
-        print(f"    ({unknown} lines not found in the workers' logs)")
+        print(f"    ({unknown} lines whose worker is unknown)")
+    # affinity: over how many workers each document's questions were spread (1 = all on one worker)
+    spread: dict[str, set[int]] = {}
+    for cid in records:
+        if cid in owner:
+            spread.setdefault(cid.split("-q")[0], set()).add(owner[cid])
+    if spread:
+        split = sum(1 for ws in spread.values() if len(ws) > 1)
+        print(f"    documents whose questions ran on more than one worker: {split} of {len(spread)}")
+        out.append({"documents_split": split, "documents": len(spread)})
     return out
 
 
@@ -455,7 +472,9 @@ def main() -> None:
             extra = f", workers ready after {run['ready_s']:.1f} s"
         print(f"    {len(records)} of {n} lines answered, {side_prompt} prompt tokens by its own count{extra}")
         if run is multi:
-            figures["runs"][name]["per_worker"] = per_worker(records, lines_by_worker(multi["logs"]), args.workers)
+            figures["runs"][name]["per_worker"] = per_worker(
+                records, lines_by_worker(multi["logs"], records), args.workers
+            )
     if not args.skip_vllm:
         bw, vw = results[0][1], results[-1][1]
         print(
