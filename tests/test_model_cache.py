@@ -383,3 +383,14 @@ def test_two_processes_convert_once(cache):
     dirs = {out.strip().splitlines()[-1] for out, _ in outs}
     assert len(dirs) == 1 and Path(dirs.pop()) == _converted(cache)[0]
     assert sum(err.count("Kept the converted") for _, err in outs) == 1, "converted twice"
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_cache_it_cannot_write_never_fails_the_load(cache, caplog):
+    (cache / "hf").write_text("a file where the converted models' directory should be")
+    with caplog.at_level(logging.WARNING, logger="batchery.engine.loader"):
+        loaded = loader.load_model(EngineConfig(dtype="float32"))
+    assert "loading the GGUF" in caplog.text
+    assert Path(loaded.tokenizer.name_or_path) == cache / DEFAULT_MODEL
+    assert loaded.tokenizer.encode("hi")
