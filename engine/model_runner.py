@@ -24,7 +24,7 @@ from batchery.engine.config import EngineConfig
 from batchery.engine.cuda_graphs import DecodeGraphs
 from batchery.engine.loader import LoadedModel
 from batchery.engine.outputs import ModelRunnerOutput
-from batchery.engine.packed_step import PackedPrefill, PackedStep
+from batchery.engine.packed_step import PackedPrefill, PackedStep, pack_arrays, packed_nbytes, unpack_segments
 from batchery.engine.persistent_batch import PersistentBatch
 from batchery.engine.sampler import Sampler
 from batchery.engine.sequence import Sequence
@@ -59,9 +59,6 @@ def run_model(
     finally:
         set_metadata(None)
     return out.logits[0]  # [num_keep, vocab]
-
-
-_TORCH_DTYPE = {np.int64: torch.int64, np.int32: torch.int32, np.uint8: torch.uint8}
 
 
 def _slots_into(out: np.ndarray, blocks: np.ndarray, positions: np.ndarray, block_size: int) -> None:
@@ -234,66 +231,109 @@ class ModelRunner:
 
     def pack(self, seqs: list[Sequence], num_new_tokens: list[int]) -> PackedStep:
         """The step on the host: decode sequences first, then prefill chunks, each sequence's
-        block table a row of the persistent batch (synced here: only rows that changed are written).
-        Per sequence only a few reads; the per-token arrays (slots, positions) are numpy operations."""
+        block table a row of the persistent batch (synced here: only rows that changed are
+        written). A decode sequence costs a few reads and list appends, and the step's decode
+        inputs become arrays in one conversion: at hundreds of sequences a step, every numpy call
+        saved counts (each costs microseconds with the caches cold after the forward)."""
         bs = self.block_size
         batch = self.batch
         batch.begin_step()
-        row = batch.row
-        dec_rows: list[int] = []
-        dec_pos: list[int] = []
+        step = batch.step
+        row_of, synced_list, synced_len, last_step = batch.row_of, batch.synced_list, batch.synced_len, batch.last_step
         dec_ids: list[int] = []
+        dec_pos: list[int] = []
+        dec_slots: list[int] = []
+        dec_rows: list[int] = []
         keep: list[int] = []
         sample_seqs: list[Sequence] = []
         chunks: list[tuple[Sequence, int]] = []
-        num_tokens = 0
-        for seq, n in zip(seqs, num_new_tokens, strict=True):
+        width = 1
+        for seq, n in zip(seqs, num_new_tokens):  # noqa: B905 (the scheduler's two lists; strict costs a check a step)
             start = seq.num_computed_tokens
             if n == 1 and start > 0:
                 token_ids = seq.token_ids
                 if start + 1 == len(token_ids):  # the whole sequence is computed: sample its next token
                     keep.append(len(dec_rows))
                     sample_seqs.append(seq)
-                dec_rows.append(row(seq))
-                dec_pos.append(start)
+                table = seq.block_table
+                num_blocks = len(table)
+                r = row_of.get(seq)
+                if r is None or synced_list[r] is not table or synced_len[r] != num_blocks:
+                    r = batch.sync(seq)
+                else:  # PersistentBatch.row's fast path, inlined
+                    last_step[r] = step
+                if num_blocks > width:
+                    width = num_blocks
                 dec_ids.append(token_ids[start])
+                dec_pos.append(start)
+                dec_slots.append(table[start // bs] * bs + start % bs)
+                dec_rows.append(r)
             else:
                 chunks.append((seq, n))
-                num_tokens += n
         nd = len(dec_rows)
-        num_tokens += nd
+        if not chunks:
+            # [4, nd] ids, positions, slots and rows, then the rows to sample
+            flat = np.array(dec_ids + dec_pos + dec_slots + dec_rows + keep, dtype=np.int64)
+            positions = flat[nd : 2 * nd]
+            return PackedStep(
+                input_ids=flat[:nd],
+                positions=positions,
+                slots=flat[2 * nd : 3 * nd],
+                logits_idx=flat[4 * nd :],
+                sample_seqs=sample_seqs,
+                block_tables=batch.tables,
+                decode_rows=flat[3 * nd : 4 * nd],
+                decode_lens=positions + 1,
+                decode_width=width,
+            )
+        return self._pack_with_chunks(batch, chunks, dec_ids, dec_pos, dec_slots, dec_rows, keep, sample_seqs, width)
+
+    def _pack_with_chunks(
+        self,
+        batch: PersistentBatch,
+        chunks: list[tuple[Sequence, int]],
+        dec_ids: list[int],
+        dec_pos: list[int],
+        dec_slots: list[int],
+        dec_rows: list[int],
+        keep: list[int],
+        sample_seqs: list[Sequence],
+        width: int,
+    ) -> PackedStep:
+        """``pack`` for a step with prefill chunks: their tokens after the decode ones, the
+        per-token arrays by numpy operations (a chunk can be thousands of tokens)."""
+        bs = self.block_size
+        nd = len(dec_rows)
+        num_tokens = nd + sum(n for _, n in chunks)
         tables = batch.tables
         ids = np.empty(num_tokens, dtype=np.int64)  # [num_tokens]
         pos = np.empty(num_tokens, dtype=np.int64)  # [num_tokens]
         slots = np.empty(num_tokens, dtype=np.int64)  # [num_tokens]
+        ids[:nd] = dec_ids
+        pos[:nd] = dec_pos
+        slots[:nd] = dec_slots
         p = PackedStep(input_ids=ids, positions=pos, slots=slots, sample_seqs=sample_seqs, block_tables=tables)
         if nd:
-            rows = np.array(dec_rows, dtype=np.intp)
-            ids[:nd] = dec_ids
-            dpos = pos[:nd]
-            dpos[:] = dec_pos
-            _slots_into(slots[:nd], tables[rows, dpos // bs], dpos, bs)
-            p.decode_rows = rows
-            p.decode_lens = dpos + 1
-            p.decode_width = max(int(batch.num_blocks[rows].max()), 1)
-        if chunks:
-            prefill_rows = []
-            q = nd
-            for seq, n in chunks:
-                start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-                r = row(seq)
-                ids[q : q + n] = seq.token_ids[start:end]
-                cpos = pos[q : q + n]
-                cpos[:] = np.arange(start, end)
-                _slots_into(slots[q : q + n], tables[r, cpos // bs], cpos, bs)
-                p.prefills.append(PackedPrefill(q, n, end, seq.block_table))
-                prefill_rows.append(r)
-                if end == seq.num_tokens:  # the whole sequence is computed: sample its next token
-                    keep.append(q + n - 1)
-                    sample_seqs.append(seq)
-                q += n
-            p.prefill_rows = np.array(prefill_rows, dtype=np.intp)
-            p.prefill_width = max(int(batch.num_blocks[p.prefill_rows].max()), 1)
+            p.decode_rows = np.array(dec_rows, dtype=np.int64)
+            p.decode_lens = pos[:nd] + 1
+            p.decode_width = width
+        prefill_rows = []
+        q = nd
+        for seq, n in chunks:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            r = batch.row(seq)
+            ids[q : q + n] = seq.token_ids[start:end]
+            cpos = pos[q : q + n]
+            cpos[:] = np.arange(start, end)
+            _slots_into(slots[q : q + n], tables[r, cpos // bs], cpos, bs)
+            p.prefills.append(PackedPrefill(q, n, end, seq.block_table))
+            prefill_rows.append(r)
+            if end == seq.num_tokens:  # the whole sequence is computed: sample its next token
+                keep.append(q + n - 1)
+                sample_seqs.append(seq)
+            q += n
+        p.prefill_rows = np.array(prefill_rows, dtype=np.int64)
+        p.prefill_width = max(int(batch.num_blocks[p.prefill_rows].max()), 1)
         p.logits_idx = np.array(keep, dtype=np.int64)
         return p
 
@@ -306,7 +346,8 @@ class ModelRunner:
         bs = self.block_size
         triton = self.backend == "triton"
         nd, num_prefills = p.num_decode, len(p.prefills)
-        host: list[np.ndarray | list[int]] = [p.slots, p.input_ids, p.positions, p.logits_idx]
+        # ids and positions shaped [1, num_tokens] here: a numpy reshape costs less than indexing the tensor
+        host = [p.slots, p.input_ids.reshape(1, -1), p.positions.reshape(1, -1), p.logits_idx]
         if nd:
             host += [p.decode_lens.astype(np.int32) if triton else p.decode_lens, p.decode_tables()]
         max_q = 0
@@ -338,31 +379,20 @@ class ModelRunner:
                     # [num_blocks] of its context; None: it attends only to its own new tokens
                     bt = tables[j, : -(-pf.context_len // bs)] if pf.has_prefix else None
                     md.prefills.append(PrefillSeq(pf.q_start, pf.q_len, pf.context_len, bt))
-        return ids[None], pos[None], keep, md, p.sample_seqs
+        return ids, pos, keep, md, p.sample_seqs
 
-    def _to_device(self, arrays: list[np.ndarray | list[int]]) -> list[torch.Tensor]:
+    def _to_device(self, arrays: list[np.ndarray] | list[list[int]]) -> list[torch.Tensor]:
         """Host arrays (int lists become int64) as device tensors of their dtypes and shapes. On
         CUDA in one copy: packed into one pinned byte buffer (torch's caching host allocator keeps
         the block until the copy has read it), sent with one non-blocking copy (from pageable
         memory every copy blocks the host until it is done), returned as views of the device copy.
         Elsewhere the arrays themselves, as tensors."""
-        arrs = [np.asarray(a, dtype=np.int64) if isinstance(a, list) else np.ascontiguousarray(a) for a in arrays]
+        arrs = [np.asarray(a, dtype=np.int64) if isinstance(a, list) else a for a in arrays]
         if self.device.type != "cuda":
             return [torch.from_numpy(a) for a in arrs]
-        sizes = [(a.nbytes + 7) & ~7 for a in arrs]  # 8-byte aligned, so every segment can be viewed as int64
-        buf = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
-        view = buf.numpy()
-        off = 0
-        for a, size in zip(arrs, sizes, strict=True):
-            view[off : off + a.nbytes] = a.reshape(-1).view(np.uint8)
-            off += size
-        whole = buf.to(self.device, non_blocking=True)
-        out = []
-        off = 0
-        for a, size in zip(arrs, sizes, strict=True):
-            out.append(whole[off : off + a.nbytes].view(_TORCH_DTYPE[a.dtype.type]).view(a.shape))
-            off += size
-        return out
+        buf = torch.empty(packed_nbytes(arrs), dtype=torch.uint8, pin_memory=True)
+        _, segments = pack_arrays(arrs, buf.numpy())
+        return unpack_segments(buf.to(self.device, non_blocking=True), segments)
 
     def forward(
         self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor | int, md: AttentionMetadata

@@ -1,6 +1,7 @@
 """One engine step packed on the host: the boundary between the model runner's packing and what
 turns it into device tensors (the eager path in ``model_runner``, the static buffers in
-``cuda_graphs``). Numpy arrays and plain ints: each step's per-token inputs are computed with
+``cuda_graphs``), and the byte packing that sends a step's arrays in one copy. Numpy arrays and
+plain ints: each step's per-token inputs are computed with
 array operations, and block tables are rows of the persistent batch (``persistent_batch``), not
 lists rebuilt every step."""
 
@@ -10,15 +11,51 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
+import torch
 
 from batchery.engine.sequence import Sequence
 
-_EMPTY = np.zeros(0, dtype=np.int64)
-_EMPTY.flags.writeable = False
-
 
 def _empty() -> np.ndarray:
-    return _EMPTY
+    return np.zeros(0, dtype=np.int64)
+
+
+# A host array's place in one byte buffer: (byte offset, bytes, dtype, shape).
+Segment = tuple[int, int, np.dtype, tuple[int, ...]]
+
+
+def pack_arrays(arrays: list[np.ndarray], out: np.ndarray | None = None) -> tuple[np.ndarray, list[Segment]]:
+    """``arrays`` one after another in one uint8 buffer (``out`` if given, at least
+    ``packed_nbytes(arrays)`` long), each at an 8-byte aligned offset, so that one copy moves all of
+    them and each can be viewed in its own dtype on the other side (``unpack_segments``)."""
+    if out is None:
+        out = np.empty(packed_nbytes(arrays), dtype=np.uint8)
+    segments: list[Segment] = []
+    off = 0
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        out[off : off + a.nbytes] = a.reshape(-1).view(np.uint8)
+        segments.append((off, a.nbytes, a.dtype, a.shape))
+        off += (a.nbytes + 7) & ~7
+    return out, segments
+
+
+def packed_nbytes(arrays: list[np.ndarray]) -> int:
+    return sum((a.nbytes + 7) & ~7 for a in arrays)
+
+
+_TORCH_DTYPE = {
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.uint8): torch.uint8,
+    np.dtype(np.float32): torch.float32,
+}
+
+
+def unpack_segments(whole: torch.Tensor, segments: list[Segment]) -> list[torch.Tensor]:
+    """Views of the uint8 tensor ``whole`` (a copy of a ``pack_arrays`` buffer, on any device) as
+    the arrays that were packed, each in its dtype and shape."""
+    return [whole[off : off + n].view(_TORCH_DTYPE[dtype]).view(shape) for off, n, dtype, shape in segments]
 
 
 class PackedPrefill(NamedTuple):

@@ -257,3 +257,26 @@ def test_to_device_keeps_dtypes_and_shapes():
     a, b, c = runner._to_device([[1, 2], np.arange(6, dtype=np.int32).reshape(2, 3), np.zeros(0, dtype=np.int64)])
     assert (a.dtype, b.dtype, c.dtype) == (torch.int64, torch.int32, torch.int64)
     assert b.tolist() == [[0, 1, 2], [3, 4, 5]] and a.tolist() == [1, 2] and c.numel() == 0
+
+
+def test_one_copy_byte_packing_round_trips():
+    """What the CUDA path sends in one copy (``pack_arrays``) and views on the device
+    (``unpack_segments``), here with a CPU tensor standing in for the device copy: int64 and int32
+    arrays, 2-D, empty and odd-sized ones come back equal, each at an 8-byte aligned offset."""
+    from batchery.engine.packed_step import pack_arrays, packed_nbytes, unpack_segments
+
+    arrays = [
+        np.array([5, -1, 2**40], dtype=np.int64),
+        np.arange(7, dtype=np.int32),  # 28 bytes: the next one starts at a padded offset
+        np.arange(12, dtype=np.int32).reshape(3, 4),
+        np.zeros(0, dtype=np.int64),
+        np.arange(6, dtype=np.int64).reshape(1, 6),
+        np.arange(10, dtype=np.int64)[::2],  # not contiguous
+    ]
+    buf, segments = pack_arrays(arrays)
+    assert len(buf) == packed_nbytes(arrays) == 24 + 32 + 48 + 0 + 48 + 40
+    assert all(off % 8 == 0 for off, *_ in segments)
+    out = unpack_segments(torch.from_numpy(buf.copy()), segments)
+    for a, t in zip(arrays, out, strict=True):
+        assert t.dtype == {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}[a.dtype]
+        assert tuple(t.shape) == a.shape and t.tolist() == a.tolist()
