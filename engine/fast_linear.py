@@ -202,6 +202,7 @@ class _CalibrationCache:
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".cpu-linear-")
             with os.fdopen(fd, "w") as f:
                 json.dump(self.data, f, indent=1, sort_keys=True)
+            os.chmod(tmp, 0o644)
             os.replace(tmp, self.path)  # atomic: a reader sees the old file or the new one
         except OSError as e:  # a read-only cache: calibrate again next time
             log.warning("could not write the CPU calibration cache %s: %s", self.path, e)

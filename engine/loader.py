@@ -205,6 +205,7 @@ def gguf_sha256(path: Path) -> str:
         fd, tmp = tempfile.mkstemp(dir=index_path.parent, prefix=".index-")
         with os.fdopen(fd, "w") as f:
             json.dump(index, f, indent=1, sort_keys=True)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, index_path)
     except OSError as e:  # a read-only cache still works, it only hashes again next time
         log.warning("could not remember the sha256 of %s in %s: %s", path, index_path, e)
@@ -280,6 +281,7 @@ def _convert_locked(gguf: Path, dest: Path) -> Path:
     common: dict[str, Any] = dict(trust_remote_code=False, local_files_only=True, gguf_file=gguf.name)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".tmp-{dest.name}-"))
     try:
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide it from other users of a shared model cache
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **common)
         tokenizer.save_pretrained(tmp)
         del tokenizer

@@ -184,6 +184,7 @@ def test_conversion_keeps_fp32_weights_and_ties_the_lm_head(cache):
     d = loader.hf_model_dir(DEFAULT_MODEL)
     assert d == loader.converted_dir(loader.default_model_path())
     assert loader.hf_model_dir(str(loader.default_model_path())) == d
+    assert d.stat().st_mode & 0o777 == 0o755, "other users of a shared model cache must be able to read it"
     m = AutoModelForCausalLM.from_pretrained(str(d), local_files_only=True)
     assert m.config.tie_word_embeddings
     assert m.get_output_embeddings().weight.data_ptr() == m.get_input_embeddings().weight.data_ptr()
