@@ -37,6 +37,8 @@ class StopChecker:
             append_text(self.tokenizer, seq)
             if find_stop(seq) >= 0:
                 return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        # num_output_tokens and num_tokens without their properties: this runs for every sequence every step
+        num_tokens = len(seq.token_ids)
+        if num_tokens - seq.num_prompt_tokens >= p.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None
