@@ -33,7 +33,6 @@ import logging
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from batchery.engine.attention.metadata import AttentionMetadata
@@ -169,7 +168,7 @@ class DecodeGraphs:
         """The step's inputs into the first ``bs`` rows of the static buffers: written into the
         host buffers, then three non-blocking copies. Rows ``n:bs`` are padding (slot -1, context
         0), since an earlier, larger batch left real slots and lengths there. Block tables are the
-        persistent batch's rows, whole (``p.block_tables`` is as wide as the static buffer)."""
+        persistent batch's rows (``p.block_tables``), their first ``p.decode_width`` columns."""
         n = p.num_tokens
         if self.staged is not None:
             self.staged.synchronize()  # the previous step's copies have read the host buffers
@@ -181,12 +180,11 @@ class DecodeGraphs:
         lens = self.host_lens.numpy()
         lens[:n] = p.decode_lens
         lens[n:bs] = 0
-        tables = self.host_tables.numpy()
-        if p.block_tables.dtype == tables.dtype and p.block_tables.shape[1] == tables.shape[1]:
-            np.take(p.block_tables, p.decode_rows, axis=0, out=tables[:n])
-        else:  # narrower tables (a test's): zero-padded to the static width
-            tables[:n] = 0
-            tables[:n, : p.block_tables.shape[1]] = p.block_tables[p.decode_rows]
+        # only the step's widest table's columns: the rest of each row keeps what an earlier step left,
+        # which no kernel reads (each reads a row only up to its context), so a long max_model_len
+        # (a wide static buffer) costs nothing here
+        w = p.decode_width
+        self.host_tables.numpy()[:n, :w] = p.block_tables[p.decode_rows, :w]
         self.long_inputs[:, :bs].copy_(self.host_long[:, :bs], non_blocking=True)
         self.context_lens[:bs].copy_(self.host_lens[:bs], non_blocking=True)
         self.block_tables[:n].copy_(self.host_tables[:n], non_blocking=True)

@@ -133,7 +133,8 @@ def test_decode_inputs_staged_through_persistent_host_buffers(tiny_model_dir):
     """The graph path's inputs go through persistent host buffers (pinned only on CUDA) into the
     static buffers; a smaller batch after a larger one leaves padding rows that store nothing
     (slot -1) and attend to nothing (context 0), and block tables are the persistent batch's rows
-    (zero past each table's end)."""
+    (zero past each table's end, up to the step's widest table; columns past that keep an earlier
+    step's entries, which no kernel reads)."""
     import numpy as np
 
     from batchery.engine.llm_engine import LLMEngine
@@ -151,8 +152,15 @@ def test_decode_inputs_staged_through_persistent_host_buffers(tiny_model_dir):
 
     def step(ids, pos, slots, rows, lens):
         a = [np.array(x, dtype=np.int64) for x in (ids, pos, slots, rows, lens)]
+        width = max(int((tables[a[3]] != 0).sum(axis=1).max()), 1)
         return PackedStep(
-            input_ids=a[0], positions=a[1], slots=a[2], block_tables=tables, decode_rows=a[3], decode_lens=a[4]
+            input_ids=a[0],
+            positions=a[1],
+            slots=a[2],
+            block_tables=tables,
+            decode_rows=a[3],
+            decode_lens=a[4],
+            decode_width=width,
         )
 
     g.stage(step([7, 8, 9, 10, 11], [4, 5, 6, 7, 8], [20, 33, 46, 59, 62], [0, 1, 2, 3, 4], [5, 6, 7, 8, 9]), 6)
@@ -164,6 +172,8 @@ def test_decode_inputs_staged_through_persistent_host_buffers(tiny_model_dir):
     assert g.context_lens[:4].tolist() == [10, 3, 0, 0]
     assert g.block_tables[:2, :3].tolist() == [[10, 12, 1], [2, 0, 0]]
     assert g.slots[4].item() == 62  # past the bucket: untouched, never read by this step
+    g.stage(step([6], [2], [40], [6], [3]), 1)  # a table one block wide: only column 0 is written
+    assert g.block_tables[0, :3].tolist() == [2, 12, 1]  # 12, 1: left by the last step, past this context
 
 
 @pytest.mark.parametrize(
