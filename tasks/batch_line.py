@@ -5,6 +5,8 @@ Thin, like the chat tasks it reuses (``batchery.tasks.chat.run_chat`` / ``run_co
 
 0. check the message (``batchery.tasks.messages``): one that is none of ours (a line the job never
    queued, a custom_id out of bounds, ...) is logged and dead-lettered and never touches the job;
+0b. forward it, when several workers serve the queue and another one runs the lines of its prompt prefix
+   (``batchery.broker.affinity``): a copy goes to that worker's own queue, then this one is acknowledged;
 1. claim the line (``JobStore.claim``): skip it if the job is cancelling, cancelled, failed or gone,
    or if the line already has a record (a redelivered message), or if the job's completion window has ended
    (the claim then records the line ``batch_expired`` itself);
@@ -55,6 +57,12 @@ def batch_line(
         )
     if problem is not None:
         return _refuse(self, problem)
+    affinity = getattr(self.app, "batchery_affinity", None)  # several workers on the queue: run with the group
+    if affinity is not None:
+        kwargs = dict(job=job, line=line, custom_id=custom_id, url=url, body=body, timeout=timeout, priority=priority)
+        owner = affinity.route(self.request, self.name, kwargs, priority)  # a copy of the message, if it went
+        if owner is not None:
+            return LineOutcome(Outcome.SKIPPED, f"forwarded to {owner}, the worker of its prefix group")
     try:
         lease = resolve_timeout(timeout, settings) + settings.retry_backoff_max + LEASE_GRACE_S
     except InvalidRequest:

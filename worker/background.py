@@ -1,7 +1,8 @@
 """The worker's background chores, each a daemon thread started once the worker consumes and stopped when it
-stops: its presence announcement (``batchery.broker.presence``) and lost-line recovery
-(``batchery.jobs.recover.recover_queue``). Neither ever stops the worker: a failure is logged once when it
-starts and once when it ends (a Redis outage is quiet beyond that), and the chore goes on."""
+stops: its presence announcement (``batchery.broker.presence``), lost-line recovery
+(``batchery.jobs.recover.recover_queue``) and prefix affinity's registry and clean-up
+(``batchery.broker.affinity``). None ever stops the worker: a failure is logged once when it starts and once when
+it ends (a Redis outage is quiet beyond that), and the chore goes on."""
 
 from __future__ import annotations
 
@@ -74,11 +75,13 @@ class Periodic:
             self._failing = False
 
 
-def presence_beacon(settings: Settings, hostname: str) -> Periodic:
+def presence_beacon(settings: Settings, hostname: str, direct_queue: str | None = None) -> Periodic:
     """Announce ``hostname`` on the worker's queue every few seconds; withdraw it on stop."""
     r = redis_from_url(settings.broker_url)
     queue = str(settings.queue)  # derived by Settings
     info = {"model": settings.model, "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time()}
+    if direct_queue:
+        info["direct_queue"] = direct_queue
     return Periodic(
         "presence",
         presence.ANNOUNCE_EVERY_S,
@@ -108,11 +111,21 @@ def lost_line_recovery(settings: Settings) -> Periodic:
     )
 
 
-def start_background(settings: Settings, hostname: str) -> list[Periodic]:
-    """The chores of a worker that now consumes (none on a broker other than Redis)."""
+def prefix_affinity(affinity) -> Periodic:
+    """Every few seconds: register the worker's direct queue, see who is live on the queue, and move the direct
+    queues of workers gone back to the main queue (``batchery.broker.affinity``); on stop, this worker's own."""
+    return Periodic("prefix affinity", presence.ANNOUNCE_EVERY_S, affinity.refresh, affinity.retire, jitter=0.2)
+
+
+def start_background(settings: Settings, hostname: str, affinity=None) -> list[Periodic]:
+    """The chores of a worker that now consumes (none on a broker other than Redis); ``affinity``: its
+    ``batchery.broker.affinity.Affinity``, if it has one."""
     if not is_redis_url(settings.broker_url):
         return []
-    makers: list[Callable[[], Periodic]] = [lambda: presence_beacon(settings, hostname)]
+    direct = affinity.direct if affinity is not None else None
+    makers: list[Callable[[], Periodic]] = [lambda: presence_beacon(settings, hostname, direct)]
+    if affinity is not None:
+        makers.append(lambda: prefix_affinity(affinity))
     if settings.recovery_interval > 0:
         makers.append(lambda: lost_line_recovery(settings))
     chores = []

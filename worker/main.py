@@ -128,11 +128,17 @@ def run_worker(settings: Settings | None = None) -> int:
             return EXIT_CONFIG
 
     chores: list = []  # background threads (presence, lost-line recovery), once the worker consumes
+    hostname = settings.hostname or f"batchery-{os.getpid()}@{socket.gethostname()}"
+    queues = [settings.queue]
+    affinity = _affinity(app, settings, hostname)
+    if affinity is not None:
+        app.batchery_affinity = affinity
+        queues.append(affinity.direct)
 
     def on_ready(sender=None, **kwargs) -> None:
         if health is not None:
             health.consuming = True
-        chores.extend(start_background(settings, hostname))
+        chores.extend(start_background(settings, hostname, affinity))
         log.info(
             "batchery worker ready: model=%s dtype=%s kv_blocks=%d max_model_len=%d queue=%s threads=%d",
             settings.model,
@@ -153,10 +159,9 @@ def run_worker(settings: Settings | None = None) -> int:
 
     signals.worker_ready.connect(on_ready, weak=False)
     signals.worker_shutting_down.connect(on_shutting_down, weak=False)
-    hostname = settings.hostname or f"batchery-{os.getpid()}@{socket.gethostname()}"
     worker = app.Worker(
         hostname=hostname,
-        queues=[settings.queue],
+        queues=queues,
         pool="threads",
         concurrency=settings.num_task_threads,
         loglevel=settings.log_level.upper(),
@@ -180,11 +185,27 @@ def run_worker(settings: Settings | None = None) -> int:
         until = time.monotonic() + 2.0  # the presence withdrawal, the recovery lock's release: 2 s in all
         for chore in chores:
             chore.join(max(0.0, until - time.monotonic()))
+        if affinity is not None:  # the chore retired it; once more for a message that landed since (cheap)
+            try:
+                affinity.retire()
+            except Exception as exc:  # noqa: BLE001 - another worker's chore moves them once this one is gone
+                log.warning("could not move this worker's direct queue back to %s: %s", settings.queue, exc)
     if fatal.is_set() or service.fatal:
         log.critical("worker exiting with code %d: %s", EXIT_ENGINE_DEAD, service.fatal_reason)
         return EXIT_ENGINE_DEAD
     log.info("worker stopped (exit %d)", exitcode)
     return int(exitcode)
+
+
+def _affinity(app, settings: Settings, hostname: str):
+    """The worker's ``batchery.broker.affinity.Affinity`` (None: off, or a broker other than Redis)."""
+    from batchery.broker.affinity import Affinity
+    from batchery.broker.connection import is_redis_url, redis_from_url
+
+    if not settings.prefix_affinity or not is_redis_url(settings.broker_url):
+        return None
+    # at most a prefetch's worth of forwarded lines waits for the owner; past that a line runs where it lands
+    return Affinity(redis_from_url(settings.broker_url), app, str(settings.queue), hostname, settings.num_task_threads)
 
 
 if __name__ == "__main__":

@@ -45,12 +45,23 @@ class MessageBuilder:
         }
         self._embed = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
-    def build(self, task_id: str, kwargs: dict, kwargsrepr: str = "{}") -> str:
-        """One message, serialized as kombu's Redis transport stores it."""
+    def build(
+        self,
+        task_id: str,
+        kwargs: dict,
+        kwargsrepr: str = "{}",
+        headers: dict | None = None,
+        enqueued_at: float | None = None,
+    ) -> str:
+        """One message, serialized as kombu's Redis transport stores it; ``headers``: more of ours (JSON-able),
+        ``enqueued_at``: the time it was first queued (a forwarded message keeps it), now by default."""
+        extra = headers
         headers = copy.copy(self._headers)
+        if extra:
+            headers.update(extra)
         headers["id"] = headers["root_id"] = task_id
         headers["kwargsrepr"] = kwargsrepr
-        headers[ENQUEUED_AT_HEADER] = time.time()  # for the worker's queue-wait metric
+        headers[ENQUEUED_AT_HEADER] = time.time() if enqueued_at is None else enqueued_at  # the queue-wait metric
         properties = copy.copy(self._properties)
         properties["correlation_id"] = task_id
         properties["delivery_tag"] = str(uuid.uuid4())

@@ -208,6 +208,11 @@ class Settings(BaseSettings):
     # supervision
     watchdog_timeout: float = Field(default=300.0, gt=0, description="work pending, no step for this long = failed")
     max_rebuilds: int = Field(default=3, ge=1, description="consecutive failed rebuilds before the worker gives up")
+    prefix_affinity: bool = Field(
+        default=True,
+        description="with several workers on a queue, a batch job's lines that share a prompt prefix run on one "
+        "of them (each worker also consumes a queue of its own); off: each line runs where it lands",
+    )
     recovery_interval: float = Field(
         default=30.0,
         ge=0,

@@ -7,12 +7,14 @@ and input), a stable sort, so that lines sharing a long prefix (a document, a fe
 through the file reach the workers together and the engine computes that prefix once (its prefix cache need
 hold one document at a time, not all of them). Then one pipeline records the window's error lines, its task
 messages in the ledger and its counts in the job, and ``LPUSH``es put the messages on the queue
-(``batchery.broker.publish``), ``chunk_size`` at a time. Outputs keep their input line number and custom_id, so
-nothing about the results' order changes. A window is ``chunk_size`` lines at first and then as many as were
-read before it (the first lines reach the workers at once), at most ``GROUP_LINES`` lines and ``GROUP_BYTES``
-bytes of messages (memory stays bounded). Workers start on the first window while the rest is still being read;
-the job is ``validating`` until the last window, then ``in_progress``. A window is recorded as one chunk (every
-line up to its last is then recorded), so a take-over (``resume``) skips exactly the recorded lines.
+(``batchery.broker.publish``), ``chunk_size`` at a time, each with its prefix group (``prefix_group``) in a header,
+so that several workers on the queue run a group's lines on one of them (``batchery.broker.affinity``). Outputs
+keep their input line number and custom_id, so nothing about the results' order changes. A window is
+``chunk_size`` lines at first and then as many as were read before it (the first lines reach the workers at once),
+at most ``GROUP_LINES`` lines and ``GROUP_BYTES`` bytes of messages (memory stays bounded). Workers start on the
+first window while the rest is still being read; the job is ``validating`` until the last window, then
+``in_progress``. A window is recorded as one chunk (every line up to its last is then recorded), so a take-over
+(``resume``) skips exactly the recorded lines.
 
 The job fails as a whole (status ``failed``, a job-level error; lines already queued are skipped
 and running ones aborted) only when it cannot be a job: no request lines (``empty_file``), more
@@ -43,6 +45,7 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
+from batchery.broker.affinity import PREFIX_HEADER, prefix_hash
 from batchery.broker.connection import is_redis_url, redis_from_url
 from batchery.broker.publish import MessageBuilder
 from batchery.contract.batch import (
@@ -69,6 +72,8 @@ DEFAULT_CHUNK = 1000
 GROUP_LINES = 20_000  # the most lines in one grouping window (lines sorted by prefix before they are enqueued)
 GROUP_BYTES = 64 << 20  # ... and the most bytes of task messages (and their prefix keys) it holds
 PREFIX_KEY_CHARS = 1 << 16  # lines whose prompts agree this far sort as equal (bounds the sort's compares)
+GROUP_MIN_CHARS = 512  # a prompt less its last turn this long is a prefix group of its own (prefix_group)
+GROUP_PREFIX_CHARS = 1024  # else the prompt's first characters are
 FIRST_ERRORS = 10  # line errors a job that fails with no_valid_lines reports
 RESUME_AFTER_S = 30.0  # a validating job whose submitter has not beaten for this long may be taken over
 
@@ -153,6 +158,21 @@ def prefix_key(url: str, body: dict) -> str:
         parts.append(_text(body.get("instructions")))
         parts.append(_text(body.get("input")))
     return "\x00".join(parts)[:PREFIX_KEY_CHARS]
+
+
+def prefix_group(url: str, body: dict) -> str:
+    """The line's prefix group (``batchery.broker.affinity``): a hash of its prompt without the last turn (a chat's
+    last message, a Response's last input item), so a document's questions share one; when that part is short (a
+    one-line system prompt, a single message, a completion's prompt) the first ``GROUP_PREFIX_CHARS`` of the whole
+    prompt instead, so unrelated lines are not all one group."""
+    head = ""
+    if url == CHAT_URL and isinstance(body.get("messages"), list) and len(body["messages"]) > 1:
+        head = prefix_key(url, {**body, "messages": body["messages"][:-1]})
+    elif url == RESPONSES_URL and isinstance(body.get("input"), list) and len(body["input"]) > 1:
+        head = prefix_key(url, {**body, "input": body["input"][:-1]})
+    if len(head) < GROUP_MIN_CHARS:
+        head = prefix_key(url, body)[:GROUP_PREFIX_CHARS]
+    return prefix_hash(head)
 
 
 def _message_size(message) -> int:
@@ -396,7 +416,12 @@ class Submitter:
         task_id = f"{self.job_id}-{item.line}"
         if self.builder is None:
             return task_id, kwargs
-        return self.builder.build(task_id, kwargs, f"{{'job': '{self.job_id}', 'line': {item.line}}}")
+        return self.builder.build(
+            task_id,
+            kwargs,
+            f"{{'job': '{self.job_id}', 'line': {item.line}}}",
+            headers={PREFIX_HEADER: prefix_group(item.url, item.body)},
+        )
 
     def _flush(self, window: list, errors: list[LineError]) -> bool:
         """Record the window in the job as one chunk (counts first, so progress never shows more done than
