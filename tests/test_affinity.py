@@ -68,8 +68,9 @@ def forwarded(w) -> int:
 
 
 def two_workers(workers, queue: str, **env):
-    ws = [workers.spawn(queue, ready=False, BATCHERY_LOG_FORMAT="json", BATCHERY_CONCURRENCY="8", **env)]
-    ws.append(workers.spawn(queue, ready=False, BATCHERY_LOG_FORMAT="json", BATCHERY_CONCURRENCY="8", **env))
+    # 16 task threads: an owner takes up to 16 forwarded lines waiting, more than a test's 24 lines can leave it
+    env = {"BATCHERY_LOG_FORMAT": "json", "BATCHERY_CONCURRENCY": "16", **env}
+    ws = [workers.spawn(queue, ready=False, **env), workers.spawn(queue, ready=False, **env)]
     for w in ws:
         w.wait_ready()
     for w in ws:  # each has seen the other (its chore's view of the queue)
