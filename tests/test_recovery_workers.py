@@ -15,6 +15,7 @@ import uuid
 import pytest
 from conftest import TEST_BROKER_URL, TEST_RESULT_BACKEND, drop_queue_keys, redis_client, wait_for
 
+from batchery.broker import affinity
 from batchery.broker.queues import queue_keys
 from batchery.client import Client
 from batchery.contract.settings import Settings
@@ -84,6 +85,25 @@ def test_a_lost_line_is_found_while_other_messages_wait_on_the_queue(private_cli
     assert queued_lines(broker, queue, [job])[job] == {1, 2, 3, 4}
     # a lost line goes back to the head of the queue: it has waited long enough
     assert json.loads(broker.lindex(queue, -1))["headers"]["id"] == f"{job}-2"
+
+
+def test_a_line_forwarded_to_a_workers_direct_queue_is_not_lost(private_client):
+    """Prefix affinity moves a line onto its group owner's direct queue (``batchery.broker.affinity``): a line
+    waiting there is queued, not lost, so recovery does not run it a second time."""
+    c, queue = private_client, private_client.queue
+    broker = redis_client(TEST_BROKER_URL)
+    job = c.submit_batch(lines(3))
+    host = "owner@test"
+    direct = affinity.direct_queue(queue, host)
+    broker.sadd(affinity.registry_key(queue), host)
+    try:
+        broker.lpush(direct, take_line(broker, queue, job, 2))
+        assert queued_lines(broker, queue, [job])[job] == {1, 2, 3}
+        assert find_lost(c.jobs, broker, job, queue, confirm_s=0) == set()
+        broker.srem(affinity.registry_key(queue), host)  # an owner no longer registered: its list is not looked at
+        assert find_lost(c.jobs, broker, job, queue, confirm_s=0) == {2}
+    finally:
+        broker.delete(direct, affinity.registry_key(queue))
 
 
 def test_one_recoverer_at_a_time():

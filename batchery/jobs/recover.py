@@ -32,6 +32,7 @@ import logging
 import time
 import uuid
 
+from batchery.broker import affinity
 from batchery.broker.queues import queue_key, queue_keys
 
 log = logging.getLogger("batchery.recover")
@@ -129,13 +130,17 @@ class RecoveryLock:
 
 
 def queued_lines(broker, queue: str, jobs: list[str]) -> dict[str, set[int]] | None:
-    """The lines of each of ``jobs`` whose messages wait in ``queue`` (any priority); None if a list could not
+    """The lines of each of ``jobs`` whose messages wait in ``queue`` (any priority) or in the direct queue of one
+    of its workers (prefix affinity forwards a line there: ``batchery.broker.affinity``); None if a list could not
     be read to its end (it grew faster than it was read)."""
     found: dict[str, set[int]] = {j: set() for j in jobs}
     if not jobs:
         return found
     script = broker.register_script(_QUEUED)
-    for key in queue_keys(queue):
+    keys = list(queue_keys(queue))
+    for host in sorted(broker.smembers(affinity.registry_key(queue))):
+        keys += queue_keys(affinity.direct_queue(queue, _s(host)))
+    for key in keys:
         start = 0
         for _ in range(SCAN_MAX_CALLS):
             nxt, length, pairs = script(keys=[key], args=[start, SCAN_MAX_MESSAGES, SCAN_MAX_BYTES, *jobs])
