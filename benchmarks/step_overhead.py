@@ -8,8 +8,10 @@ block bookkeeping and output handling show. On a GPU these run while the device 
 wait, so at large batches they bound the step rate.
 
 The figure is "host time per step": the whole step less the model's forward and the sampler,
-with only those two timed, so nothing else is instrumented (median over the steps: on a shared
-machine a step is now and then descheduled). Then a second run with every part timed shows where
+with only those two timed, so nothing else is instrumented; the median over the steps, with the
+min and mean beside it (on a shared machine a step is now and then descheduled, and noise only
+adds: there the min is the steadier figure). The forward's freed output counts with the forward.
+Then a second run with every part timed shows where
 that time goes; its per-sequence parts (register_full_blocks, check_stop: once per sequence) carry
 the cost of their own timers. "forward" and "sampler" are CPU figures for the tiny model and say
 little about a GPU.
