@@ -221,3 +221,41 @@ def test_eager_step_inputs_in_one_copy(tiny_model_dir):
     assert [t.tolist() for t in (a, b, c)] == [[5, 6, 7], [], [2**40]]
     assert {t.dtype for t in (a, b, c)} == {torch.long}
     assert a.device.type == DEVICE
+
+
+def test_graph_step_samples_only_the_rows_that_sample(tiny_model_dir):
+    """A decode-only step through the graphs' static buffers in which one row is a one-token chunk of a
+    longer recompute (it samples nothing) hands the sampler only the rows that sample, the same logits as
+    the eager path, not the first rows of the bucket."""
+    from batchery.engine.llm_engine import LLMEngine
+    from batchery.engine.loader import load_model
+    from batchery.engine.sampling import SamplingParams
+
+    config = _config(tiny_model_dir)
+    eng = LLMEngine(config, loaded=load_model(config))
+    runner = eng.runner
+    for i in range(2):
+        eng.add_request(str(i), [5, 9, 14, 20 + i, 7, 8], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    a, b = eng.scheduler.running
+    a.num_computed_tokens -= 2  # two tokens to recompute: a one-token chunk of them samples nothing
+    for seq in (a, b):
+        eng.block_manager.allocate(seq, 1)  # what schedule() does before a step
+    seen = []
+    sampler = runner.sampler
+
+    def recording(logits, seqs, eos_ids):
+        seen.append((logits.clone(), list(seqs)))
+        return sampler(logits, seqs, eos_ids)
+
+    runner.sampler = recording
+    eager = runner.run([a, b], [1, 1], eng.eos_ids)  # graphs off: the eager path
+    runner.graphs = runner.build_decode_graphs(capture=False)
+    graphed = runner.run([a, b], [1, 1], eng.eos_ids)
+    assert runner.graphs.num_runs == 1
+    (eager_logits, eager_seqs), (graph_logits, graph_seqs) = seen
+    assert eager_seqs == graph_seqs == [b] == eager.sampled_seqs == graphed.sampled_seqs
+    assert graph_logits.shape == eager_logits.shape == (1, runner.vocab_size)
+    torch.testing.assert_close(graph_logits, eager_logits)
+    assert graphed.token_ids == eager.token_ids
