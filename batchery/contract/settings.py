@@ -68,7 +68,9 @@ class EngineOptions(BaseModel):
     kv_cache_memory: int | None = Field(
         default=None,
         ge=1,
-        description="KV pool bytes; unset -> 85% of the GPU memory free after the weights, 40% of the memory available on CPU",
+        description=(
+            "KV pool bytes; unset -> 85% of the GPU memory free after the weights, on CPU 40% of what is available"
+        ),
     )
     enable_prefix_caching: bool = Field(default=True, description="share the KV blocks of common prompt prefixes")
     attention_backend: str = Field(
