@@ -71,7 +71,6 @@ class LLMEngine:
         self.last_step_num_tokens = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0  # of the finished requests, each prompt once
-        self.num_prompt_tokens_computed = 0  # prompt positions run through the model (recomputation included)
         self.num_oom = 0  # steps that ran out of memory and were shrunk
         self._oom_ok_steps = 0  # steps since the last OOM (or the last restore)
 
@@ -213,10 +212,6 @@ class LLMEngine:
         self.last_step_num_tokens = sched.num_batched_tokens
         self._sum_batch_seqs += len(sched.seqs)
         self._sum_batch_tokens += sched.num_batched_tokens
-        for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
-            # the chunk covers positions [computed, computed + n); those before the prompt's end are prompt
-            self.num_prompt_tokens_computed += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
-
         finished = self.scheduler.update_from_output(sched, runner_out, self.stop_checker.check)
         outputs = []
         for seq in finished:
@@ -326,7 +321,7 @@ class LLMEngine:
             "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
             "num_generated_tokens": self.num_generated_tokens,
             "num_prompt_tokens": self.num_prompt_tokens,
-            "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
+            "num_prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
             "num_forked_choices": self.scheduler.num_forks,
             "num_prefix_waits": self.scheduler.num_prefix_waits,
             "grammar_compiled": int(getattr(grammars, "num_compiled", 0)),

@@ -59,6 +59,7 @@ class Scheduler:
         # blocks back and waits like a new sequence: no queued sequence holds blocks others need.
         self.forked: list[Sequence] = []
         self.num_forks = 0  # choices that forked a parent's prompt blocks
+        self.num_prompt_tokens_computed = 0  # prompt positions run through the model (recomputation included)
         self.num_prefix_waits = 0  # steps waiting sequences were held back for a prefix being computed
 
     def add(self, seq: Sequence) -> None:
@@ -125,8 +126,21 @@ class Scheduler:
         """After the step ``out`` ran: count its tokens as computed, append each sampled token (and
         its logprobs), publish newly full blocks to the prefix cache, and finish the sequences
         ``check_stop`` says are done. Returns those, in sampling order."""
+        bm = self.block_manager
+        bs = bm.block_size
+        caching = bm.enable_prefix_caching
+        prompt_computed = 0
         for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
+            # the chunk covers positions [computed, computed + n); those before the prompt's end are prompt
+            left = seq.num_prompt_tokens - seq.num_computed_tokens
+            if left > 0:
+                prompt_computed += n if n < left else left
             seq.num_computed_tokens += n
+            # publish the blocks this step filled (a decode sequence fills one every block_size steps): the tokens
+            # they hold are all computed, so this is the same before the sampled token is appended as after
+            if caching and seq.num_computed_tokens // bs > len(seq.block_hashes):
+                bm.register_full_blocks(seq)
+        self.num_prompt_tokens_computed += prompt_computed
         finished: list[tuple[Sequence, str]] = []
         for seq, tok, entry in zip(runner_out.sampled_seqs, runner_out.token_ids, runner_out.logprobs, strict=True):
             seq.token_ids.append(tok)
@@ -138,9 +152,6 @@ class Scheduler:
             reason = check_stop(seq, tok)
             if reason is not None:
                 finished.append((seq, reason))
-        bm = self.block_manager
-        for seq in out.seqs:
-            bm.register_full_blocks(seq)
         # A parent that sampled its first token has just computed its prompt: its choices fork now,
         # before a parent that finished in this same step gives its blocks back.
         for seq in runner_out.sampled_seqs if self.unforked else ():
@@ -264,10 +275,19 @@ class Scheduler:
 
         # 1. Running sequences: one decode token each, or the next chunk of an unfinished prefill.
         cands = [s for s in self.running if not s.isolated] if self.isolated else list(self.running)
+        bs = bm.block_size
         i = 0
         while i < len(cands) and budget > 0:
             seq = cands[i]
             n = min(seq.num_uncomputed_tokens, budget)
+            if seq.num_computed_tokens + n <= len(seq.block_table) * bs:
+                # its table covers the step already (a decode token inside its last block, most steps): nothing
+                # to allocate, so nothing to preempt for; the same as the path below with blocks_needed == 0
+                out.seqs.append(seq)
+                out.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+                continue
             while not bm.can_allocate(seq, n):
                 # Out of blocks: preempt the lowest-priority, newest running sequence, even one
                 # already scheduled this step (it is taken back out of the step).
