@@ -21,11 +21,11 @@ Error policy:
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import random
 import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -217,12 +217,22 @@ def _usage(r: GenerationResult) -> Usage:
     )
 
 
-@functools.cache
+_worker_id: tuple[int, str] | None = None  # (pid, id): a forked child makes its own
+_worker_id_lock = threading.Lock()
+
+
 def worker_id() -> str:
     """This worker process's id in results: opaque (a hash of host, pid and start), so that outputs tell which lines
-    ran on one worker (and shared its prefix cache) without naming the machine to the tenant."""
-    seed = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
-    return hashlib.sha256(seed.encode()).hexdigest()[:12]
+    ran on one worker (and shared its prefix cache) without naming the machine to the tenant. Made once per process,
+    under a lock: task threads ask for it at the same moment (``functools.cache`` would let two of them each make
+    and return their own)."""
+    global _worker_id
+    pid = os.getpid()
+    with _worker_id_lock:
+        if _worker_id is None or _worker_id[0] != pid:
+            seed = f"{socket.gethostname()}:{pid}:{time.time_ns()}"
+            _worker_id = (pid, hashlib.sha256(seed.encode()).hexdigest()[:12])
+        return _worker_id[1]
 
 
 def _timing(r: GenerationResult, started: float, attempt: int) -> Timing:
