@@ -5,11 +5,15 @@
 - ``linear_t``: an fp32 linear over a pre-transposed weight, and ``linear_bf16`` (with
   ``pack_bf16``): a bf16 linear for CPUs with AVX512-BF16 (both used by ``batchery.engine.fast_linear``).
 
+Other modules add their own kernels as parts (``PARTS``: modules with a C++ ``SOURCE`` and the
+``FUNCTIONS`` it exports), compiled into the same extension so one build and one load serve all.
+
 If the build fails (no compiler, no ninja) every caller falls back to torch; set
 ``BATCHERY_CPU_KERNELS=0`` to skip the build and use torch everywhere."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
@@ -582,6 +586,26 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bi
 }
 """
 
+_FUNCTIONS = ["paged_decode", "linear_t", "pack_bf16", "linear_bf16", "has_bf16_linear"]
+
+# Modules whose C++ ``SOURCE`` (exporting ``FUNCTIONS``) is compiled into this extension, in order.
+PARTS: tuple[str, ...] = ()
+
+
+def _parts() -> list[types.ModuleType]:
+    return [importlib.import_module(name) for name in PARTS]
+
+
+def full_source() -> str:
+    """Everything compiled: this module's kernels, then each part's."""
+    return "\n".join([_SOURCE, *(part.SOURCE for part in _parts())])
+
+
+def functions() -> list[str]:
+    """The names the built module exports."""
+    return [*_FUNCTIONS, *(name for part in _parts() for name in part.FUNCTIONS)]
+
+
 _lock = threading.Lock()
 _module: types.ModuleType | None = None
 _failed = False
@@ -603,8 +627,8 @@ def load() -> types.ModuleType | None:
                 log.info("building the CPU kernels (first use only, cached afterwards)")
                 _module = load_inline(
                     name=NAME,
-                    cpp_sources=_SOURCE,
-                    functions=["paged_decode", "linear_t", "pack_bf16", "linear_bf16", "has_bf16_linear"],
+                    cpp_sources=full_source(),
+                    functions=functions(),
                     extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                     extra_ldflags=["-fopenmp"],  # without it at::parallel_for runs on one thread
                     verbose=False,

@@ -142,7 +142,7 @@ def calibration_host() -> dict[str, Any]:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 0
-    source = cpu_kernels.NAME + "\0" + cpu_kernels._SOURCE
+    source = cpu_kernels.NAME + "\0" + cpu_kernels.full_source()
     return {
         "cpu": _cpuinfo(),
         "cpu_count": os.cpu_count(),

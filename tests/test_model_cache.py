@@ -346,7 +346,7 @@ def test_the_host_key_holds_cpu_torch_and_kernel_source(kernels):
     assert host["torch"] == torch.__version__ and host["torch_threads"] == torch.get_num_threads()
     assert (
         host["kernel_source_sha256"]
-        == hashlib.sha256((cpu_kernels.NAME + "\0" + cpu_kernels._SOURCE).encode()).hexdigest()
+        == hashlib.sha256((cpu_kernels.NAME + "\0" + cpu_kernels.full_source()).encode()).hexdigest()
     )
     assert host["cores"] >= 1 and host["rows"] == list(fast_linear.CALIBRATION_ROWS)
     if Path("/proc/cpuinfo").exists():
