@@ -589,7 +589,7 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bi
 _FUNCTIONS = ["paged_decode", "linear_t", "pack_bf16", "linear_bf16", "has_bf16_linear"]
 
 # Modules whose C++ ``SOURCE`` (exporting ``FUNCTIONS``) is compiled into this extension, in order.
-PARTS: tuple[str, ...] = ()
+PARTS: tuple[str, ...] = ("batchery.engine.cpu_fused", "batchery.engine.attention.cpu_prefill")
 
 
 def _parts() -> list[types.ModuleType]:

@@ -373,7 +373,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     hf_model.requires_grad_(False)
     log.info("loaded model %s from %s in %.2f s", model, src if not extra else path, time.perf_counter() - t0)
     if dev.type == "cpu" and torch_dtype in (torch.float32, torch.bfloat16):
-        from batchery.engine import fast_linear
+        from batchery.engine import fast_linear, fused_llama
 
+        fused_llama.install(hf_model)
         fast_linear.install(hf_model, calibration_cache=calibration_cache_path())
     return LoadedModel(hf_model, tokenizer, hf_model.config, torch_dtype, dev, model)
