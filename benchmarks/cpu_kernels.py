@@ -75,21 +75,14 @@ def linear(kernel, rows_list, dtype) -> None:
     ] * LAYERS
     ws = [torch.randn(s, generator=g).to(dtype) for s in shapes]
     head = torch.randn(VOCAB, HIDDEN, generator=g).to(dtype)
-    if dtype == torch.float32:
+    from batchery.engine import fast_linear
 
-        def prep(w):
-            return w.t().contiguous()
+    packed = [fast_linear._kernel_fn(kernel, w)[0] for w in ws]  # what install routes each layer to
+    head_p = fast_linear._kernel_fn(kernel, head)[0]
 
-        def ours(x, w):
-            return kernel.linear_t(x, w, None)
-    else:
-        prep = kernel.pack_bf16
+    def ours(x, fn):
+        return fn(x)
 
-        def ours(x, w):
-            return kernel.linear_bf16(x, w, None)
-
-    packed = [prep(w) for w in ws]
-    head_p = prep(head)
     for rows in rows_list:
         x = {k: torch.randn(rows, k, generator=g).to(dtype) for k in (HIDDEN, FFN)}
         t_torch = timed(lambda x=x: [F.linear(x[w.shape[1]], w) for w in ws], 3)

@@ -21,7 +21,7 @@ import types
 
 log = logging.getLogger("batchery.engine.kernels")
 
-NAME = "batchery_cpu_kernels_v9"  # bump when the source changes (the build cache is keyed by it)
+NAME = "batchery_cpu_kernels_v10"  # bump when the source changes (the build cache is keyed by it)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -428,20 +428,20 @@ static inline vf16 load16(const float* p) { return *reinterpret_cast<const vf16u
 static inline void store16(float* p, vf16 v) { *reinterpret_cast<vf16u*>(p) = v; }
 
 // A tile kernel computes out[i, n0 : n0 + 16 * NV] for i < MB over kl steps of k:
-// struct { using X = ...; template <int MB, int NV> static void run(x, w, out, kl, N, n0); }
-// with x [MB, kl] and w [kl, N] (elements of type X), out float [*, N].
+// struct { using X = ...; template <int MB, int NV> static void run(x, w, out, kl, ldw, N, n0); }
+// with x [MB, kl], w the tile's first weight column, its k rows ldw elements apart (elements of type X),
+// out float [*, N].
 struct TileF32 {
   using X = float;
   template <int MB, int NV>
-  static inline void run(const float* __restrict x, const float* __restrict wt, float* __restrict out,
-                         int64_t K, int64_t N, int64_t n0) {
+  static inline void run(const float* __restrict x, const float* __restrict w, float* __restrict out,
+                         int64_t K, int64_t ldw, int64_t N, int64_t n0) {
     vf16 acc[MB][NV];
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 8
       for (int v = 0; v < NV; ++v) acc[i][v] = vf16{};
-    const float* w = wt + n0;
-    for (int64_t k = 0; k < K; ++k, w += N) {
+    for (int64_t k = 0; k < K; ++k, w += ldw) {
       vf16 wv[NV];
 #pragma GCC unroll 8
       for (int v = 0; v < NV; ++v) wv[v] = load16(w + 16 * v);
@@ -461,22 +461,24 @@ struct TileF32 {
 
 template <typename Tile, int NV>
 static inline void tile_rows(int64_t mb, const typename Tile::X* x, const typename Tile::X* w, float* out,
-                             int64_t kl, int64_t N, int64_t n0) {
+                             int64_t kl, int64_t ldw, int64_t N, int64_t n0) {
   switch (mb) {
-    case 6: Tile::template run<6, NV>(x, w, out, kl, N, n0); break;
-    case 5: Tile::template run<5, NV>(x, w, out, kl, N, n0); break;
-    case 4: Tile::template run<4, NV>(x, w, out, kl, N, n0); break;
-    case 3: Tile::template run<3, NV>(x, w, out, kl, N, n0); break;
-    case 2: Tile::template run<2, NV>(x, w, out, kl, N, n0); break;
-    default: Tile::template run<1, NV>(x, w, out, kl, N, n0);
+    case 6: Tile::template run<6, NV>(x, w, out, kl, ldw, N, n0); break;
+    case 5: Tile::template run<5, NV>(x, w, out, kl, ldw, N, n0); break;
+    case 4: Tile::template run<4, NV>(x, w, out, kl, ldw, N, n0); break;
+    case 3: Tile::template run<3, NV>(x, w, out, kl, ldw, N, n0); break;
+    case 2: Tile::template run<2, NV>(x, w, out, kl, ldw, N, n0); break;
+    default: Tile::template run<1, NV>(x, w, out, kl, ldw, N, n0);
   }
 }
 
-// out [M, N] = x [M, kl] . w [kl, N] in 6 x 64 tiles, in parallel over (column panel, row tile);
-// N % 16 == 0.
+// out [M, N] = x [M, kl] . w in 6 x 64 tiles, in parallel over (column panel, row tile); N % 16 == 0.
+// w is [kl, N] row-major, or with panels (``pack_panels``) [ceil(N / 64), kl, 64]: each 64-column panel
+// contiguous, which wide layers (an LM head: N in the tens of thousands) need. Read with a stride of N, every
+// k row of a panel is on its own page; contiguous, the panel streams (2-2.5x at 8-64 rows on the AMD VM).
 template <typename Tile>
 static void tiled_linear(const typename Tile::X* x, const typename Tile::X* w, float* out, int64_t M, int64_t kl,
-                         int64_t N) {
+                         int64_t N, bool panels = false) {
   const int64_t npanels = (N + 63) / 64, mtiles = (M + 5) / 6;
   at::parallel_for(0, npanels * mtiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -484,11 +486,13 @@ static void tiled_linear(const typename Tile::X* x, const typename Tile::X* w, f
       const int64_t n0 = p * 64, m0 = mt * 6, mb = M - m0 < 6 ? M - m0 : 6;
       const auto* xp = x + m0 * kl;
       float* op = out + m0 * N;
+      const auto* wp = panels ? w + p * kl * 64 : w + n0;
+      const int64_t ldw = panels ? 64 : N;
       switch ((N - n0) >= 64 ? 4 : (N - n0) / 16) {
-        case 4: tile_rows<Tile, 4>(mb, xp, w, op, kl, N, n0); break;
-        case 3: tile_rows<Tile, 3>(mb, xp, w, op, kl, N, n0); break;
-        case 2: tile_rows<Tile, 2>(mb, xp, w, op, kl, N, n0); break;
-        default: tile_rows<Tile, 1>(mb, xp, w, op, kl, N, n0);
+        case 4: tile_rows<Tile, 4>(mb, xp, wp, op, kl, ldw, N, n0); break;
+        case 3: tile_rows<Tile, 3>(mb, xp, wp, op, kl, ldw, N, n0); break;
+        case 2: tile_rows<Tile, 2>(mb, xp, wp, op, kl, ldw, N, n0); break;
+        default: tile_rows<Tile, 1>(mb, xp, wp, op, kl, ldw, N, n0);
       }
     }
   });
@@ -511,6 +515,33 @@ at::Tensor linear_t(at::Tensor x, at::Tensor wt, c10::optional<at::Tensor> bias)
   return out.view(xs);
 }
 
+// w [N, K] float -> [ceil(N / 64), K, 64]: 64-column panels of the transposed weight, zero-padded
+at::Tensor pack_panels(at::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.size(0) % 16 == 0,
+              "pack_panels: float [N, K], N % 16 == 0");
+  const int64_t N = w.size(0), K = w.size(1), P = (N + 63) / 64;
+  auto padded = at::zeros({P * 64, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({P, 64, K}).transpose(1, 2).contiguous();
+}
+
+// y = x @ w.T (+ bias) with w from pack_panels; n: w's out_features
+at::Tensor linear_panels(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == 64 && wp.is_contiguous() && wp.scalar_type() == at::kFloat &&
+                  n % 16 == 0 && n <= wp.size(0) * 64 && n > (wp.size(0) - 1) * 64,
+              "linear_panels: the weight must come from pack_panels");
+  const int64_t K = wp.size(1), N = n;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) == K, "linear_panels: the input must be float [..., K]");
+  auto xs = x.sizes().vec();
+  auto xf = x.reshape({-1, K}).contiguous();
+  const int64_t M = xf.size(0);
+  auto out = at::empty({M, N}, xf.options());
+  tiled_linear<TileF32>(xf.data_ptr<float>(), wp.data_ptr<float>(), out.data_ptr<float>(), M, K, N, true);
+  if (bias.has_value() && bias->defined()) out.add_(*bias);
+  xs.back() = N;
+  return out.view(xs);
+}
+
 // ---- bf16 linear (AVX512-BF16) -----------------------------------------------------------------
 // On CPUs with AVX512-BF16 and a compiler that targets it (-march=native); elsewhere
 // has_bf16_linear() is false and torch (oneDNN) keeps every bf16 linear.
@@ -521,15 +552,14 @@ at::Tensor linear_t(at::Tensor x, at::Tensor wt, c10::optional<at::Tensor> bias)
 struct TileBF16 {
   using X = uint32_t;  // a pair of bf16
   template <int MB, int NV>
-  static inline void run(const uint32_t* __restrict x, const uint32_t* __restrict wp, float* __restrict out,
-                         int64_t K2, int64_t N, int64_t n0) {
+  static inline void run(const uint32_t* __restrict x, const uint32_t* __restrict w, float* __restrict out,
+                         int64_t K2, int64_t ldw, int64_t N, int64_t n0) {
     __m512 acc[MB][NV];
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 8
       for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
-    const uint32_t* w = wp + n0;
-    for (int64_t k = 0; k < K2; ++k, w += N) {
+    for (int64_t k = 0; k < K2; ++k, w += ldw) {
       __m512i wv[NV];
 #pragma GCC unroll 8
       for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_si512(w + 16 * v);
@@ -556,18 +586,24 @@ bool has_bf16_linear() {
 #endif
 }
 
-// w [N, K] bf16 -> int32 [K/2, N] of bf16 pairs
+// w [N, K] bf16 -> int32 [ceil(N / 64), K/2, 64]: 64-column panels of bf16 pairs (w[n][2k], w[n][2k+1]),
+// zero-padded (the panel layout of tiled_linear)
 at::Tensor pack_bf16(at::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0, "pack_bf16: bf16 [N, K], K even");
-  const int64_t N = w.size(0), K = w.size(1);
-  return w.contiguous().view({N, K / 2, 2}).view(at::kInt).view({N, K / 2}).t().contiguous();
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0 && w.size(0) % 16 == 0,
+              "pack_bf16: bf16 [N, K], K even, N % 16 == 0");
+  const int64_t N = w.size(0), K = w.size(1), P = (N + 63) / 64;
+  auto padded = at::zeros({P * 64, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({P, 64, K / 2, 2}).view(at::kInt).view({P, 64, K / 2}).transpose(1, 2).contiguous();
 }
 
-at::Tensor linear_bf16(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bias) {
+// y = x @ w.T (+ bias) with w from pack_bf16; n: w's out_features
+at::Tensor linear_bf16(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at::Tensor> bias) {
 #ifdef __AVX512BF16__
-  TORCH_CHECK(wp.dim() == 2 && wp.is_contiguous() && wp.scalar_type() == at::kInt,
+  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == 64 && wp.is_contiguous() && wp.scalar_type() == at::kInt &&
+                  n % 16 == 0 && n <= wp.size(0) * 64 && n > (wp.size(0) - 1) * 64,
               "linear_bf16: the weight must come from pack_bf16");
-  const int64_t K2 = wp.size(0), N = wp.size(1), K = 2 * K2;
+  const int64_t K2 = wp.size(1), N = n, K = 2 * K2;
   TORCH_CHECK(N % 16 == 0, "linear_bf16: out_features must be a multiple of 16");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "linear_bf16: the input must be bf16 [..., K]");
   auto xs = x.sizes().vec();
@@ -575,7 +611,7 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bi
   const int64_t M = xf.size(0);
   auto out = at::empty({M, N}, xf.options().dtype(at::kFloat));
   tiled_linear<TileBF16>(reinterpret_cast<const uint32_t*>(xf.data_ptr()),
-                         reinterpret_cast<const uint32_t*>(wp.data_ptr()), out.data_ptr<float>(), M, K2, N);
+                         reinterpret_cast<const uint32_t*>(wp.data_ptr()), out.data_ptr<float>(), M, K2, N, true);
   if (bias.has_value() && bias->defined()) out.add_(*bias);
   xs.back() = N;
   return out.to(at::kBFloat16).view(xs);
@@ -586,7 +622,15 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bi
 }
 """
 
-_FUNCTIONS = ["paged_decode", "linear_t", "pack_bf16", "linear_bf16", "has_bf16_linear"]
+_FUNCTIONS = [
+    "paged_decode",
+    "linear_t",
+    "pack_panels",
+    "linear_panels",
+    "pack_bf16",
+    "linear_bf16",
+    "has_bf16_linear",
+]
 
 # Modules whose C++ ``SOURCE`` (exporting ``FUNCTIONS``) is compiled into this extension, in order.
 PARTS: tuple[str, ...] = ("batchery.engine.cpu_fused", "batchery.engine.attention.cpu_prefill")

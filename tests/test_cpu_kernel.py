@@ -157,3 +157,38 @@ def test_fast_linear_bf16_matches_torch(rows, bias):
     # both round an fp32 accumulation to bf16 once: within one bf16 step of the exact result
     assert ((got.float() - exact).abs() <= exact.abs() * 2**-7 + 1e-3).all()
     assert (got.float() - want).abs().max() <= want.abs().max() * 2**-6
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_fast_linear_wide_fp32_reads_panels_and_keeps_a_tied_head_tied(rows):
+    """An LM head (WIDE outputs or more) is read in 64-column panels; its out_features need not be a multiple
+    of 64 (the last panel is zero-padded), and a head tied to the embedding stays tied."""
+    from batchery.engine import fast_linear
+
+    torch.manual_seed(rows)
+    n = fast_linear.WIDE + 48  # 64 * k + 48: a partial last panel
+    emb = torch.nn.Embedding(n, 40)
+    head = torch.nn.Linear(40, n, bias=False)
+    head.weight = emb.weight
+    x = torch.randn(rows, 40)
+    ids = torch.tensor([0, n - 1])
+    with torch.inference_mode():
+        want, want_emb = head(x), emb(ids)
+        assert fast_linear.install(torch.nn.ModuleList([emb, head]), max_rows=-1) == 1
+        assert head.weight is emb.weight  # nothing untied: the kernel reads its own panel copy
+        got = head(x)
+        torch.testing.assert_close(emb(ids), want_emb)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_pack_panels_layout():
+    """[N, K] -> [ceil(N / 64), K, 64]: panel p, row k, lane j holds w[64 p + j, k], zeros past N."""
+    kernel = cpu_paged.load()
+    w = torch.randn(80, 3)
+    p = kernel.pack_panels(w)
+    assert p.shape == (2, 3, 64)
+    torch.testing.assert_close(p[0], w[:64].t())
+    torch.testing.assert_close(p[1, :, :16], w[64:].t())
+    assert (p[1, :, 16:] == 0).all()
+    with pytest.raises(RuntimeError, match="pack_panels"):
+        kernel.linear_panels(torch.randn(2, 3), p, 48, None)  # 48 outputs fit in one panel, not two
