@@ -242,6 +242,9 @@ def kernels(tmp_path, monkeypatch):
         pytest.fail("the CPU kernels did not build (compiler or ninja missing?)")
     monkeypatch.setenv("BATCHERY_MODEL_CACHE", str(tmp_path / "models"))
     monkeypatch.delenv("BATCHERY_CPU_CALIBRATION_CACHE", raising=False)
+    from batchery.engine import fast_linear
+
+    monkeypatch.setattr(fast_linear, "_machine_busy", lambda: None)  # the suite may run beside other work
     return kernel
 
 
@@ -395,3 +398,25 @@ def test_a_cache_it_cannot_write_never_fails_the_load(cache, caplog):
     assert "loading the GGUF" in caplog.text
     assert Path(loaded.tokenizer.name_or_path) == cache / DEFAULT_MODEL
     assert loaded.tokenizer.encode("hi")
+
+
+def test_calibration_on_a_busy_machine_is_not_kept(kernels, monkeypatch, caplog):
+    """Timings taken while the load average is above the cores are not kept: the next start calibrates again."""
+    from batchery.engine import fast_linear
+
+    monkeypatch.setattr(fast_linear, "_machine_busy", lambda: "load average 9.0 on 2 cores")
+    path = loader.calibration_cache_path()
+    with caplog.at_level("WARNING", logger="batchery.engine.kernels"):
+        assert fast_linear.install(_linears((64, 128)), calibration_cache=path) in (0, 1)
+    assert not path.exists()
+    assert "not keeping this CPU calibration: load average 9.0 on 2 cores" in caplog.text
+    monkeypatch.setattr(fast_linear, "_machine_busy", lambda: None)
+    fast_linear.install(_linears((64, 128)), calibration_cache=path)
+    assert set(_only_host(path)["limits"]) == {"64x128:float32"}
+
+
+def test_machine_busy_reads_the_load_average():
+    from batchery.engine import fast_linear
+
+    busy = fast_linear._machine_busy()
+    assert busy is None or busy.startswith("load average ")
