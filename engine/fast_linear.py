@@ -194,6 +194,12 @@ class _CalibrationCache:
         self.limits: dict[str, Any] = (
             entry["limits"] if isinstance(entry, dict) and isinstance(entry.get("limits"), dict) else {}
         )
+        # Timings taken beside other work (``busy``) are the other work's as much as ours. They are used while
+        # the machine stays busy (a start is not slowed by calibrating again), and replaced at a quiet start.
+        self.busy = _machine_busy()
+        if self.limits and isinstance(entry, dict) and entry.get("busy") and self.busy is None:
+            log.info("calibrating the CPU kernels again: the kept results were timed while %s", entry["busy"])
+            self.limits = {}
 
     @staticmethod
     def _name(key: tuple[int, int, torch.dtype]) -> str:
@@ -210,6 +216,8 @@ class _CalibrationCache:
     def save(self) -> None:
         hosts = self.data["hosts"]
         hosts[self.key] = {"host": self.host, "limits": self.limits, "written": time.time()}
+        if self.busy is not None:
+            hosts[self.key]["busy"] = self.busy
         if len(hosts) > _MAX_HOSTS:  # drop the oldest
             for old in sorted(hosts, key=lambda k: hosts[k].get("written", 0) if isinstance(hosts[k], dict) else 0)[
                 : len(hosts) - _MAX_HOSTS
@@ -309,11 +317,9 @@ def install(model: torch.nn.Module, max_rows: int | None = None, calibration_cac
         lin._batchery_max_rows = limit
         count += 1
     if cache is not None and cache.dirty:
-        busy = _machine_busy()
-        if busy is None:
-            cache.save()
-        else:  # timings taken beside other work are the other work's; keeping them would fix a bad route for good
-            log.warning("not keeping this CPU calibration: %s; the next start calibrates again", busy)
+        if cache.busy is not None:
+            log.warning("CPU kernels calibrated while %s: kept until a start on a quiet machine redoes it", cache.busy)
+        cache.save()
     if count:
         log.info("%d linear layers run on the C++ CPU kernels", count)
     return count

@@ -400,19 +400,33 @@ def test_a_cache_it_cannot_write_never_fails_the_load(cache, caplog):
     assert loaded.tokenizer.encode("hi")
 
 
-def test_calibration_on_a_busy_machine_is_not_kept(kernels, monkeypatch, caplog):
-    """Timings taken while the load average is above the cores are not kept: the next start calibrates again."""
+def test_calibration_on_a_busy_machine_is_redone_on_a_quiet_one(kernels, monkeypatch, caplog):
+    """Timings taken while the load average is above the cores are kept marked busy: busy starts read them, the
+    first quiet start calibrates again and keeps clean results."""
+    import json
+
     from batchery.engine import fast_linear
 
     monkeypatch.setattr(fast_linear, "_machine_busy", lambda: "load average 9.0 on 2 cores")
     path = loader.calibration_cache_path()
     with caplog.at_level("WARNING", logger="batchery.engine.kernels"):
-        assert fast_linear.install(_linears((64, 128)), calibration_cache=path) in (0, 1)
-    assert not path.exists()
-    assert "not keeping this CPU calibration: load average 9.0 on 2 cores" in caplog.text
+        fast_linear.install(_linears((64, 128)), calibration_cache=path)
+    assert "calibrated while load average 9.0 on 2 cores" in caplog.text
+    entry = _only_host(path)
+    assert entry["busy"] == "load average 9.0 on 2 cores"
+    data = json.loads(path.read_text())
+    (key,) = data["hosts"]
+    data["hosts"][key]["limits"] = {"64x128:float32": 7}  # planted: calibration never returns 7
+    path.write_text(json.dumps(data))
+    model = _linears((64, 128))
+    fast_linear.install(model, calibration_cache=path)
+    assert _limits(model) == [7]  # still busy: the kept results are used
     monkeypatch.setattr(fast_linear, "_machine_busy", lambda: None)
-    fast_linear.install(_linears((64, 128)), calibration_cache=path)
-    assert set(_only_host(path)["limits"]) == {"64x128:float32"}
+    model = _linears((64, 128))
+    fast_linear.install(model, calibration_cache=path)
+    assert _limits(model) != [7]  # quiet: calibrated again
+    entry = _only_host(path)
+    assert "busy" not in entry and entry["limits"]["64x128:float32"] != 7
 
 
 def test_machine_busy_reads_the_load_average():
