@@ -78,6 +78,9 @@ class EngineLoop:
                 if abandoned.is_set():
                     return  # the supervisor gave up on this engine; its results are void
                 if s.step_stats.num_started == steps_before:
+                    if outputs:  # async scheduling: a drain commits the last step's tokens and launches nothing
+                        s.stats.engine = engine.stats()
+                        self.resolve(outputs)
                     continue  # nothing was scheduled: not progress, so the watchdog keeps counting
                 s.last_beat = s.last_step_at = time.monotonic()
                 s.failed_rebuilds = s.verdicts_in_a_row = s.outside_failures = 0
