@@ -367,8 +367,10 @@ def report(name: str, run: dict, records: dict[str, dict], minimum: int) -> dict
     }
 
 
-def per_worker(records: dict[str, dict], owner: dict[str, int], num_workers: int) -> list[dict]:
-    out = []
+def per_worker(records: dict[str, dict], owner: dict[str, int], num_workers: int) -> dict:
+    """{"workers": one dict per worker, "documents_split": documents whose questions ran on more than one
+    worker, "documents": how many documents}"""
+    out: list[dict] = []
     for w in range(num_workers):
         mine = [r for cid, r in records.items() if owner.get(cid) == w]
         if not mine:
@@ -386,11 +388,10 @@ def per_worker(records: dict[str, dict], owner: dict[str, int], num_workers: int
     for cid in records:
         if cid in owner:
             spread.setdefault(cid.split("-q")[0], set()).add(owner[cid])
+    split = sum(1 for ws in spread.values() if len(ws) > 1)
     if spread:
-        split = sum(1 for ws in spread.values() if len(ws) > 1)
         print(f"    documents whose questions ran on more than one worker: {split} of {len(spread)}")
-        out.append({"documents_split": split, "documents": len(spread)})
-    return out
+    return {"workers": out, "documents_split": split, "documents": len(spread)}
 
 
 def main() -> None:
