@@ -22,6 +22,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "triton"
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs (CUDA + Triton only; see engine/cuda_graphs.py)
+    # schedule and pack the next step while the current one runs, its tokens read one step late
+    # (``LLMEngine``'s async scheduling): "auto" -> on CUDA only (on the CPU nothing runs meanwhile), True, False
+    async_scheduling: bool | str = "auto"
     trust_remote_code: bool = False
     seed: int = 0
 
@@ -37,5 +40,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not (isinstance(self.async_scheduling, bool) or self.async_scheduling == "auto"):
+            raise ValueError(f"async_scheduling must be 'auto', True or False, got {self.async_scheduling!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")

@@ -151,12 +151,17 @@ class DecodeGraphs:
             time.perf_counter() - t0,
         )
 
-    def run(self, p: PackedStep) -> torch.Tensor:
+    def run(self, p: PackedStep, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """One decode-only step of ``n <= max_size`` sequences; returns their [n, vocab] logits, a
-        view of the shared buffer that the next step overwrites (sample from it before then)."""
+        view of the shared buffer that the next step overwrites (sample from it before then).
+        ``prev_tokens`` (async scheduling): the previous step's sampled ids on the device, which
+        the placeholder ids (``-1 - j``) among the inputs are replaced with before the replay."""
         n = p.num_tokens
         bs = next(s for s in self.sizes if s >= n)
         self.stage(p, bs)
+        if prev_tokens is not None:
+            ids = self.input_ids[:, :n]
+            ids.copy_(torch.where(ids < 0, prev_tokens[(-1 - ids).clamp_min(0)], ids))
         self.num_runs += 1
         graph = self.graphs.get(bs)
         if graph is not None and self.logits is not None:

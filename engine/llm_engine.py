@@ -15,7 +15,7 @@ from batchery.engine.chat_template import render_chat
 from batchery.engine.config import EngineConfig
 from batchery.engine.detokenizer import final_text
 from batchery.engine.loader import LoadedModel, load_model
-from batchery.engine.model_runner import ModelRunner
+from batchery.engine.model_runner import LaunchedStep, ModelRunner
 from batchery.engine.sampling import SamplingParams
 from batchery.engine.scheduler import Scheduler, SchedulerOutput
 from batchery.engine.sequence import CompletionOutput, RequestOutput, Sequence
@@ -46,6 +46,22 @@ def _eos_ids(loaded: LoadedModel) -> list[int]:
     return sorted(ids)
 
 
+def resolve_async_scheduling(setting: bool | str, device: torch.device) -> bool:
+    """``EngineConfig.async_scheduling``: "auto" is on where the device runs a step while the host
+    prepares the next (CUDA); on the CPU the host is the device, so nothing would overlap."""
+    if setting == "auto":
+        return device.type == "cuda"
+    return bool(setting)
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A step launched under async scheduling whose tokens the host has not committed yet."""
+
+    sched: SchedulerOutput
+    launched: LaunchedStep
+
+
 class PromptTooLong(ValueError):
     """The prompt leaves no room to generate within ``max_model_len``."""
 
@@ -73,6 +89,10 @@ class LLMEngine:
         self.num_prompt_tokens = 0  # of the finished requests, each prompt once
         self.num_oom = 0  # steps that ran out of memory and were shrunk
         self._oom_ok_steps = 0  # steps since the last OOM (or the last restore)
+        self.async_scheduling = resolve_async_scheduling(config.async_scheduling, self.runner.device)
+        self._pending: _Pending | None = None  # async scheduling: the step on the device, not yet committed
+        self.num_async_steps = 0  # steps launched while the one before was still on the device
+        self.num_async_drains = 0  # times the pipeline was drained for a step that needs the tokens first
 
     @property
     def eos_ids(self) -> list[int]:
@@ -184,6 +204,8 @@ class LLMEngine:
         for seq in reversed(self.choices.pop(request_id)):  # the forks first, then the parent
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
+        if self._pending is not None and not self.requests:
+            self._drain()  # nothing left to run: the step on the device gives its blocks back now
         return True
 
     def has_unfinished(self) -> bool:
@@ -191,7 +213,10 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration. Returns the requests that finished in it."""
+        """Run one iteration. Returns the requests that finished in it (under async scheduling,
+        those that the step before it finished: its tokens are read one step late)."""
+        if self.async_scheduling:
+            return self._step_async()
         sched = self.scheduler.schedule()
         if not sched:
             return []
@@ -202,6 +227,11 @@ class LLMEngine:
         except torch.OutOfMemoryError as exc:
             self._shrink_after_oom(sched, exc)
             return []
+        self._count_step(sched)
+        finished = self.scheduler.update_from_output(sched, runner_out, self.stop_checker.check)
+        return self._outputs(finished)
+
+    def _count_step(self, sched: SchedulerOutput) -> None:
         if (
             self.scheduler.max_num_seqs < self.config.max_num_seqs
             or self.scheduler.max_num_batched_tokens < self.config.max_num_batched_tokens
@@ -212,7 +242,71 @@ class LLMEngine:
         self.last_step_num_tokens = sched.num_batched_tokens
         self._sum_batch_seqs += len(sched.seqs)
         self._sum_batch_tokens += sched.num_batched_tokens
-        finished = self.scheduler.update_from_output(sched, runner_out, self.stop_checker.check)
+
+    # -- async scheduling --------------------------------------------------------------------
+    def _step_async(self) -> list[RequestOutput]:
+        """vLLM v1's async scheduling: step k+1 is scheduled and packed while step k runs on the
+        device, then launched, and only then are k's tokens read and committed (stop checks,
+        finishes, frees), while k+1 runs. Every sequence that samples in k has a placeholder token
+        meanwhile (``Scheduler.advance``), so k+1 gives it its next position; its input id is taken
+        on the device from k's sampled ids. A sequence that k finishes has one row of k+1 computed
+        for nothing: that token is dropped, and its blocks are freed once k+1 is committed.
+
+        A step whose rows need the previous token on the host before they can be built falls back:
+        the pipeline is drained (k committed) first. That is a step after one that sampled for a
+        grammar-constrained row (its mask follows the token) or a penalised one (penalties read the
+        output so far), and every step while isolated (quarantined) sequences are in the engine.
+        Everything else pipelines: decodes, new prefills and chunks, preemption, n > 1 forks,
+        seeds, logprobs, min_tokens, stop strings and tokens."""
+        outputs: list[RequestOutput] = []
+        prev = self._pending
+        if prev is not None and (prev.launched.needs_host or self.scheduler.isolated):
+            self.num_async_drains += 1
+            outputs += self._drain()
+            prev = None
+        sched = self.scheduler.schedule()
+        if not sched:
+            return outputs + self._drain() if prev is not None else outputs
+        prev_tokens = prev.launched.tokens if prev is not None else None
+        try:
+            if self.on_step_start is not None:
+                self.on_step_start(sched.seqs)
+            launched = self.runner.launch(sched.seqs, sched.num_new_tokens, self.eos_ids, prev_tokens)
+        except torch.OutOfMemoryError as exc:
+            outputs += self._drain()  # nothing of this step was committed; the one before it is, first
+            self._shrink_after_oom(sched, exc)
+            return outputs
+        self._count_step(sched)
+        self.scheduler.held = set(sched.seqs)
+        self._pending = _Pending(sched, launched)
+        if prev is not None:
+            self.num_async_steps += 1
+            outputs += self._outputs(self.scheduler.commit(prev.launched.get(), self.stop_checker.check))
+        sch = self.scheduler
+        sch.advance(sched, launched.sample_seqs, self.max_model_len)
+        if not self.requests or (
+            sch.finishing
+            and len(sch.finishing) >= len(sch.running)
+            and not sch.num_waiting
+            and all(s in sch.finishing for s in sch.running)
+        ):
+            # the last request finished, or every one left takes its last token in this step: commit it
+            # now rather than leave it for a step that launches nothing (no step left on the device)
+            outputs += self._drain()
+        return outputs
+
+    def _drain(self) -> list[RequestOutput]:
+        """Commit the step on the device, if any; nothing is on the device afterwards."""
+        prev = self._pending
+        if prev is None:
+            return []
+        self._pending = None
+        runner_out = prev.launched.get()
+        self.scheduler.held = set()
+        return self._outputs(self.scheduler.commit(runner_out, self.stop_checker.check))
+
+    def _outputs(self, finished: list[Sequence]) -> list[RequestOutput]:
+        """The outputs of the requests whose last choice is among ``finished``."""
         outputs = []
         for seq in finished:
             self.num_generated_tokens += seq.num_output_tokens
@@ -317,6 +411,8 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_oom": self.num_oom,
             "cuda_graph_steps": self.runner.graphs.num_runs if self.runner.graphs is not None else 0,
+            "num_async_steps": self.num_async_steps,
+            "num_async_drains": self.num_async_drains,
             "max_num_seqs": self.scheduler.max_num_seqs,
             "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
             "num_generated_tokens": self.num_generated_tokens,

@@ -26,7 +26,7 @@ from batchery.engine.loader import LoadedModel
 from batchery.engine.outputs import ModelRunnerOutput
 from batchery.engine.packed_step import PackedPrefill, PackedStep, pack_arrays, packed_nbytes, unpack_segments
 from batchery.engine.persistent_batch import PersistentBatch
-from batchery.engine.sampler import Sampler
+from batchery.engine.sampler import SampledStep, Sampler
 from batchery.engine.sequence import Sequence
 
 log = logging.getLogger("batchery.engine.runner")
@@ -403,18 +403,66 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], num_new_tokens: list[int], eos_ids: list[int]) -> ModelRunnerOutput:
         """One engine step on the device: the scheduled tokens through the model, then a token sampled
         for every sequence that is now fully computed."""
+        return self.launch(seqs, num_new_tokens, eos_ids).get()
+
+    def launch(
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        eos_ids: list[int],
+        prev_tokens: torch.Tensor | None = None,
+    ) -> LaunchedStep:
+        """The step queued on the device, its sampled ids not read back yet (``LaunchedStep.get``
+        reads them; on CUDA their copy to the host is already under way). ``prev_tokens``: the
+        sampled ids of the step launched before, still on the device (async scheduling): an input
+        id ``-1 - j`` (a placeholder the scheduler gave a token not yet on the host) is its ``j``-th."""
         p = self.pack(seqs, num_new_tokens)
         if self.graphs is not None and not p.prefills and p.num_decode <= self.graphs.max_size:
-            logits = self.graphs.run(p)
+            logits = self.graphs.run(p, prev_tokens)
             sample_seqs = p.sample_seqs
             if len(sample_seqs) != p.num_decode:  # a 1-token chunk of a longer recompute samples nothing
                 logits = logits[torch.from_numpy(p.logits_idx).to(self.device)]
         else:
             ids, pos, keep, md, sample_seqs = self.prepare(p)
+            if prev_tokens is not None:
+                ids = fill_placeholders(ids, prev_tokens)
             if not sample_seqs:
                 keep = keep.new_zeros(1)  # a pure partial-prefill step: compute K/V, sample nothing
             logits = self.forward(ids, pos, keep, md)
             if not sample_seqs:
-                return ModelRunnerOutput()
-        tokens, entries = self.sampler(logits, sample_seqs, eos_ids)
-        return ModelRunnerOutput(sample_seqs, tokens, entries)
+                return LaunchedStep([], None)
+        sampled = self.sampler.sample(logits, sample_seqs, eos_ids)
+        return LaunchedStep(sample_seqs, sampled)
+
+
+def fill_placeholders(ids: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+    """``ids`` with each placeholder ``-1 - j`` replaced by ``prev_tokens[j]``, on the device (no
+    sync: the ids the previous step sampled never go through the host on their way in)."""
+    return torch.where(ids < 0, prev_tokens[(-1 - ids).clamp_min(0)], ids)
+
+
+class LaunchedStep:
+    """A step queued on the device: the sequences it samples for, in row order, and their tokens
+    (``SampledStep``; None when it samples nothing). ``tokens`` is the device tensor of the sampled
+    ids; ``get()`` waits for them and returns the step's ``ModelRunnerOutput``."""
+
+    def __init__(self, sample_seqs: list[Sequence], sampled: SampledStep | None) -> None:
+        self.sample_seqs = sample_seqs
+        self.sampled = sampled
+        if sampled is not None:
+            sampled.copy_to_host()
+
+    @property
+    def tokens(self) -> torch.Tensor | None:
+        return self.sampled.tokens if self.sampled is not None else None
+
+    @property
+    def needs_host(self) -> bool:
+        """Some row's next step cannot be built before its token is on the host (``SampledStep``)."""
+        return self.sampled is not None and self.sampled.needs_host
+
+    def get(self) -> ModelRunnerOutput:
+        if self.sampled is None:
+            return ModelRunnerOutput()
+        tokens, entries = self.sampled.result()
+        return ModelRunnerOutput(self.sample_seqs, tokens, entries)

@@ -81,8 +81,77 @@ class _Upload:
             return [torch.empty(0, dtype=torch.float64 if f else torch.long, device=device) for _, _, f in self._spans]
         buf = torch.frombuffer(self._buf, dtype=torch.int64)
         if device.type != "cpu":
-            buf = buf.to(device, non_blocking=True)
+            # through pinned memory: a copy from pageable memory may wait for the stream, that is for
+            # the steps queued before this one (async scheduling keeps one queued); the caching host
+            # allocator keeps the pinned block until the copy has read it
+            pinned = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=device.type == "cuda")
+            pinned.copy_(buf)
+            buf = pinned.to(device, non_blocking=True)
         return [buf[o : o + n].view(torch.float64) if f else buf[o : o + n] for o, n, f in self._spans]
+
+
+class SampledStep:
+    """One step's sampled tokens (and logprobs), still on the device. ``tokens`` [num_rows] int64
+    stays there for the next step to read (async scheduling takes its decode rows' input ids from
+    it); ``back`` is everything the host needs, read in one go by ``result()``, the step's only
+    sync. ``copy_to_host()`` starts that read early: on CUDA a non-blocking copy into pinned memory
+    with an event, so that ``result()`` waits for this step alone, not for steps queued after it.
+    ``needs_host``: a row's next step cannot be built before its token is on the host (a grammar
+    mask, penalties over the output so far)."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        back: torch.Tensor,
+        needs_host: bool,
+        lp_rows: list[int] | None = None,
+        top_pos: list[int] | None = None,
+        top_ns: list[int] | None = None,
+        top_n: int = 0,
+    ) -> None:
+        self.tokens = tokens
+        self.back = back
+        self.needs_host = needs_host
+        self.lp_rows = lp_rows  # None: no row asked for logprobs (``back`` is ``tokens``)
+        self.top_pos = top_pos or []
+        self.top_ns = top_ns or []
+        self.top_n = top_n
+        self._host: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+
+    def copy_to_host(self) -> None:
+        if self.back.device.type != "cuda" or self._host is not None:
+            return
+        self._host = torch.empty(self.back.shape, dtype=self.back.dtype, pin_memory=True)
+        self._host.copy_(self.back, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def result(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The sampled token id and logprob entry of each row (waits for the device)."""
+        if self._event is not None:
+            self._event.synchronize()
+        src = self._host if self._host is not None else self.back
+        b = self.tokens.shape[0]
+        if self.lp_rows is None:
+            return src.tolist(), [None] * b
+        back = src.tolist()
+        token_list = [int(t) for t in back[:b]]
+        lp_rows, top_pos, top_n = self.lp_rows, self.top_pos, self.top_n
+        n_lp = len(lp_rows)
+        entries: list[TokenLogprobs | None] = [None] * b
+        for j, i in enumerate(lp_rows):
+            entries[i] = {"token_id": token_list[i], "logprob": back[b + j], "top": []}
+        ids_at = b + n_lp
+        vals_at = ids_at + len(top_pos) * top_n
+        for r, (j, n) in enumerate(zip(top_pos, self.top_ns, strict=True)):
+            o = r * top_n
+            entry = entries[lp_rows[j]]
+            assert entry is not None
+            entry["top"] = [
+                (int(t), v) for t, v in zip(back[ids_at + o : ids_at + o + n], back[vals_at + o : vals_at + o + n])
+            ]
+        return token_list, entries
 
 
 class Sampler:
@@ -103,11 +172,17 @@ class Sampler:
             seq.generator.manual_seed(seq.params.seed)
         return seq.generator
 
-    @torch.inference_mode()
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [num_seqs, vocab]. Returns the sampled token id and logprob entry of each seq."""
+        return self.sample(logits, seqs, eos_ids).result()
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> SampledStep:
+        """The sampling of ``seqs`` from logits [num_seqs, vocab], queued on the device and not read
+        back: the ``SampledStep`` holds the sampled ids as a device tensor (what the next step's
+        decode rows take as input under async scheduling) and reads them on ``result()``."""
         logits = logits.float()
         b, vocab = logits.shape
         params = [s.params for s in seqs]
@@ -179,8 +254,9 @@ class Sampler:
         else:
             tokens = logits.argmax(dim=-1)
 
+        needs_host = bool(constrained) or penalised
         if raw_logprobs is None:
-            return tokens.tolist(), [None] * b
+            return SampledStep(tokens, tokens, needs_host)
 
         # -- logprobs: one gather, one topk, and everything back in one .tolist() -----------------------
         lp_tokens = tokens if all_lp else tokens[d[h_lp]]
@@ -189,23 +265,8 @@ class Sampler:
             src = raw_logprobs if h_top < 0 else raw_logprobs[d[h_top]]
             top_vals, top_ids = src.topk(top_n, dim=-1)
             parts += [top_ids.flatten().double(), top_vals.flatten().double()]
-        back = torch.cat(parts).tolist()
-        token_list = [int(t) for t in back[:b]]
-        n_lp = len(lp_rows)
-        entries: list[TokenLogprobs | None] = [None] * b
-        for j, i in enumerate(lp_rows):
-            entries[i] = {"token_id": token_list[i], "logprob": back[b + j], "top": []}
-        ids_at = b + n_lp
-        vals_at = ids_at + len(top_pos) * top_n
-        for r, j in enumerate(top_pos):
-            n = params[lp_rows[j]].logprobs or 0
-            o = r * top_n
-            entry = entries[lp_rows[j]]
-            assert entry is not None
-            entry["top"] = [
-                (int(t), v) for t, v in zip(back[ids_at + o : ids_at + o + n], back[vals_at + o : vals_at + o + n])
-            ]
-        return token_list, entries
+        top_ns = [params[lp_rows[j]].logprobs or 0 for j in top_pos]
+        return SampledStep(tokens, torch.cat(parts), needs_host, lp_rows, top_pos, top_ns, top_n)
 
     @staticmethod
     def _plan_logit_bias(up: _Upload, params: list[SamplingParams], vocab: int) -> tuple[int, int, int] | None:

@@ -61,6 +61,13 @@ class Scheduler:
         self.num_forks = 0  # choices that forked a parent's prompt blocks
         self.num_prompt_tokens_computed = 0  # prompt positions run through the model (recomputation included)
         self.num_prefix_waits = 0  # steps waiting sequences were held back for a prefix being computed
+        # Async scheduling (``advance`` / ``commit``): the sequences of the step queued on the device
+        # and not yet committed, whose blocks a finish must not free until it has run (``deferred``,
+        # freed by the next ``commit``); and those whose placeholder is certainly their last token (a
+        # length limit), which no step schedules again (their next token would be thrown away).
+        self.held: set[Sequence] = set()
+        self.deferred: list[Sequence] = []
+        self.finishing: set[Sequence] = set()
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -92,9 +99,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.forked or self.unforked)
 
-    def remove(self, seq: Sequence) -> None:
-        """Drop a sequence (finished or aborted) and release its blocks. Choices still waiting to
-        fork from it start on their own instead (queued by their own sort key)."""
+    def remove(self, seq: Sequence, free: bool = True) -> None:
+        """Drop a sequence (finished or aborted) and release its blocks (unless not ``free``). Choices
+        still waiting to fork from it start on their own instead (queued by their own sort key)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -112,13 +119,104 @@ class Scheduler:
             self.isolated.remove(seq)
         for child in self.unforked.pop(seq, []):
             self.add(child)
-        self.block_manager.free_seq(seq)
+        if free:
+            self.block_manager.free_seq(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End a sequence now (it stopped, or was aborted): drop it and release its blocks."""
-        self.remove(seq)
+        """End a sequence now (it stopped, or was aborted): drop it and release its blocks. Under
+        async scheduling a sequence of the step still on the device keeps its blocks until that
+        step is committed (the step writes their K/V): they are ``deferred``."""
+        held = seq in self.held
+        self.remove(seq, free=not held)
+        if held:
+            self.deferred.append(seq)
+        if self.finishing:
+            self.finishing.discard(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    # -- async scheduling ------------------------------------------------------------------
+    # The engine launches step k, commits step k-1 (its tokens are read now, one step late), then
+    # advances k; then it schedules k+1 while k runs. A sequence that samples in k gets a placeholder
+    # token ``-1 - j`` (j: its row among k's sampled rows), so that k+1 schedules one more token for
+    # it as if the token were known; the model runner takes that input id on the device from k's
+    # sampled ids. k-1's commit writes the real tokens over the placeholders before k is advanced,
+    # so every token that ``advance`` counts as computed (and publishes in a full block) is real.
+
+    def advance(self, out: SchedulerOutput, sampled: list[Sequence], max_model_len: int) -> None:
+        """After step ``out`` was launched (and the step before it committed): count its tokens as
+        computed and publish the blocks it fills, as ``update_from_output`` does, and give each of
+        ``sampled`` (the sequences it samples for, in row order) its placeholder token. A sequence
+        that finished meanwhile (the previous step's tokens stopped it, or it was aborted) is left
+        alone: this step computes its row for nothing, and its token is never read. One whose
+        placeholder reaches its length limit goes to ``finishing``."""
+        bm = self.block_manager
+        bs = bm.block_size
+        caching = bm.enable_prefix_caching
+        finished = SequenceStatus.FINISHED
+        prompt_computed = 0
+        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
+            if seq.status is finished:
+                continue
+            left = seq.num_prompt_tokens - seq.num_computed_tokens
+            if left > 0:
+                prompt_computed += n if n < left else left
+            seq.num_computed_tokens += n
+            if caching and seq.num_computed_tokens // bs > len(seq.block_hashes):
+                bm.register_full_blocks(seq)
+        self.num_prompt_tokens_computed += prompt_computed
+        for j, seq in enumerate(sampled):
+            if seq.status is finished:
+                continue
+            ids = seq.token_ids
+            ids.append(-1 - j)
+            num_tokens = len(ids)
+            if num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or num_tokens >= max_model_len:
+                self.finishing.add(seq)
+
+    def commit(self, runner_out: ModelRunnerOutput, check_stop: StopCheck) -> list[Sequence]:
+        """The tokens of the step launched before the last one, now on the host: first the blocks
+        of sequences that finished while it ran are freed (``deferred``: it has run), then each
+        token replaces its sequence's placeholder (the last of its tokens), and the rest is as in
+        ``update_from_output``: logprobs, the stop check, forks, finishes (deferred for the
+        sequences of the step still running). Tokens of sequences that finished meanwhile (aborted)
+        are dropped. Returns the sequences that finished, in sampling order."""
+        if self.deferred:
+            self.release_deferred()
+        finished: list[tuple[Sequence, str]] = []
+        done = SequenceStatus.FINISHED
+        for seq, tok, entry in zip(runner_out.sampled_seqs, runner_out.token_ids, runner_out.logprobs, strict=True):
+            if seq.status is done:
+                continue
+            ids = seq.token_ids
+            assert ids[-1] < 0, "a committed token replaces its sequence's placeholder"
+            ids[-1] = tok
+            if seq.grammar is not None:
+                seq.grammar.accept(tok)
+            if entry is not None:
+                assert seq.logprobs is not None
+                seq.logprobs.append(entry)
+            reason = check_stop(seq, tok)
+            if reason is not None:
+                finished.append((seq, reason))
+        for seq in runner_out.sampled_seqs if self.unforked else ():
+            if seq.status is done:
+                continue
+            for child in self.unforked.pop(seq, []):
+                self.block_manager.fork(seq, child)
+                self.forked.append(child)
+                if child.isolated:
+                    self.isolated.append(child)
+                self.num_forks += 1
+        for seq, reason in finished:
+            self.finish(seq, reason)
+        return [seq for seq, _ in finished]
+
+    def release_deferred(self) -> None:
+        """Free the blocks of finished sequences that waited for a step to run (it has)."""
+        for seq in self.deferred:
+            self.block_manager.free_seq(seq)
+        self.deferred = []
 
     def update_from_output(
         self, out: SchedulerOutput, runner_out: ModelRunnerOutput, check_stop: StopCheck
@@ -275,6 +373,8 @@ class Scheduler:
 
         # 1. Running sequences: one decode token each, or the next chunk of an unfinished prefill.
         cands = [s for s in self.running if not s.isolated] if self.isolated else list(self.running)
+        if self.finishing:  # async scheduling: their next token would be thrown away
+            cands = [s for s in cands if s not in self.finishing]
         bs = bm.block_size
         i = 0
         while i < len(cands) and budget > 0:
