@@ -1,8 +1,600 @@
 """Prefill attention for the CPU over the paged KV pool (a part of ``batchery.engine.cpu_kernels``' extension).
 
-``SOURCE`` is C++ compiled into that one extension; ``FUNCTIONS`` are the names it exports."""
+torch's SDPA runs the CPU's prefill attention at a fraction of what its matmuls reach (its flash kernel
+re-reads and converts K/V per query block, one query head at a time, and the cached-prefix path first
+gathers the whole context into a copy). This kernel does all of a step's prefill chunks in one call per
+layer: it reads K/V straight from the block pool through each chunk's block table, packs each context
+once into the layouts its register tiles read, serves all query heads of a KV head from one K/V tile
+(GQA), and keeps fp32 running max / sum / accumulators (flash-style online softmax). bf16 uses
+AVX512-BF16 dot products where the CPU has them, fp32 conversion otherwise.
+
+``SOURCE`` is C++ compiled into that one extension; ``FUNCTIONS`` are the names it exports. Anything the
+kernel does not cover (softcap, head_dim not a multiple of 32, other dtypes, a build without AVX-512)
+stays on the torch path in ``torch_backend``."""
 
 from __future__ import annotations
 
-SOURCE = ""
-FUNCTIONS: list[str] = []
+import torch
+
+from batchery.engine import cpu_kernels
+from batchery.engine.attention.metadata import AttentionMetadata
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <immintrin.h>
+#include <vector>
+
+// ---- prefill attention over the paged pool ---------------------------------------------------
+// Flash-style causal attention for all of a step's prefill chunks in one call. Two passes:
+//  1. pack: each (sequence, KV head) context is copied once, in tiles of 64 keys, into the layouts
+//     the register tiles read: K transposed ([D][64], keys in the vector lanes) and V by rows
+//     ([64][D]); for bf16 with AVX512-BF16 both hold pairs of bf16 in each 32-bit lane, pairs along
+//     the dot product's k (K: two dims of one key, V: one dim of two keys), as vdpbf16ps reads them.
+//  2. attend: a task is (sequence, KV head, a tile of query tokens); its rows are every query head
+//     of that KV head at every token of the tile (GQA: one K/V tile serves them all). For each block
+//     of 6 rows and each 64-key tile: S = Q K^T in a 6 x 64 register tile, an online softmax with
+//     fp32 running max / sum, then O += P V in 6 x 64 register tiles, fp32 accumulators. Keys are
+//     visited in chunks of 8 tiles (all row blocks pass over a chunk while it is in L2).
+// Tasks differ in cost (causal), so they run largest first from a shared counter.
+
+namespace batchery_prefill {
+
+bool available() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool native_bf16() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifdef __AVX512F__
+constexpr int TK = 64;     // keys per tile
+constexpr int MR = 6;      // query rows per register tile
+constexpr int CHUNK = 8;   // tiles per key chunk
+
+// exp(x) for x <= 0 (Cephes' polynomial on [-ln2/2, ln2/2], scaled by 2^n); about 1 ulp.
+static inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// r[i] lane j <- r[j] lane i (16 x 16 of 32-bit elements)
+static inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + c], 128-bit lane L: column 4L + c of rows 4i .. 4i + 3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i x2 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE), x3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(x0, x1, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(x0, x1, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(x2, x3, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(x2, x3, 0xDD);
+  }
+}
+
+// 16 32-bit units of a row from unit c: BF (bf16 pairs): the raw pairs; else floats (bf16 widened).
+template <typename T, bool BF>
+static inline __m512i load_units(const T* row, int64_t c);
+template <>
+inline __m512i load_units<float, false>(const float* row, int64_t c) { return _mm512_loadu_si512(row + c); }
+template <>
+inline __m512i load_units<c10::BFloat16, false>(const c10::BFloat16* row, int64_t c) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
+  return _mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16);
+}
+template <>
+inline __m512i load_units<c10::BFloat16, true>(const c10::BFloat16* row, int64_t c) {
+  return _mm512_loadu_si512(row + 2 * c);
+}
+
+template <typename T>
+struct Args {
+  int64_t S, H, Hkv, G, D, bs, maxb, window;
+  int64_t qs_t, qs_h, ks_t, ks_h, vs_t, vs_h, os_t, os_h;
+  const T *q, *k, *v, *kc, *vc;
+  T* out;
+  const int64_t *seqs, *tables;  // seqs [S, 4]: q_start, q_len, context_len, table row (-1: keys are k, v)
+  float scale;
+};
+
+// where a sequence's packed tiles start, and the first tile it needs
+struct SeqPack {
+  int64_t base, t0, nt;  // in tiles; its KV head h's tile t sits at base + h * nt + (t - t0)
+};
+
+// Pack tile t of (s, h): kt [C][64] (K transposed), vp: BF [32][D] pairs of keys, else [64][D] floats.
+// kr, vr: the tile's key rows of head h (null past the context).
+template <typename T, bool BF>
+static void pack_tile(const Args<T>& a, const T* const* kr, const T* const* vr, uint32_t* kt, uint32_t* vp) {
+  const int64_t D = a.D, C = BF ? D / 2 : D;
+  __m512i r[16];
+  for (int j0 = 0; j0 < TK; j0 += 16) {
+    for (int64_t c0 = 0; c0 < C; c0 += 16) {
+      for (int i = 0; i < 16; ++i) r[i] = kr[j0 + i] ? load_units<T, BF>(kr[j0 + i], c0) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kt + (c0 + i) * TK + j0, r[i]);
+    }
+  }
+  if (BF) {
+    // element 2d of a pair row is key 2j's dim d, element 2d + 1 key 2j + 1's
+    alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i ilo = _mm512_load_si512(lo_idx), ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+    for (int j2 = 0; j2 < TK / 2; ++j2) {
+      const T* ra = vr[2 * j2];
+      const T* rb = vr[2 * j2 + 1];
+      for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        const __m512i x = ra ? _mm512_loadu_si512(ra + d0) : _mm512_setzero_si512();
+        const __m512i y = rb ? _mm512_loadu_si512(rb + d0) : _mm512_setzero_si512();
+        _mm512_storeu_si512(vp + j2 * D + d0, _mm512_permutex2var_epi16(x, ilo, y));
+        _mm512_storeu_si512(vp + j2 * D + d0 + 16, _mm512_permutex2var_epi16(x, ihi, y));
+      }
+    }
+  } else {
+    for (int j = 0; j < TK; ++j)
+      for (int64_t d0 = 0; d0 < D; d0 += 16)
+        _mm512_storeu_si512(vp + j * D + d0, vr[j] ? load_units<T, false>(vr[j], d0) : _mm512_setzero_si512());
+  }
+}
+
+// S [6][64] = Q [6][C] . KT [C][64] for the first 16 * NVK keys
+template <bool BF, int NVK>
+static inline void qk_tile(const uint32_t* __restrict q, const uint32_t* __restrict kt, float* __restrict s,
+                           int64_t C) {
+  __m512 acc[MR][NVK];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NVK; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < C; ++c) {
+    __m512i kv[NVK];
+#pragma GCC unroll 4
+    for (int v = 0; v < NVK; ++v) kv[v] = _mm512_loadu_si512(kt + c * TK + 16 * v);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512i qb = _mm512_set1_epi32(static_cast<int>(q[i * C + c]));
+#pragma GCC unroll 4
+      for (int v = 0; v < NVK; ++v) {
+#ifdef __AVX512BF16__
+        if (BF) {
+          acc[i][v] = _mm512_dpbf16_ps(acc[i][v], (__m512bh)qb, (__m512bh)kv[v]);
+          continue;
+        }
+#endif
+        acc[i][v] = _mm512_fmadd_ps(_mm512_castsi512_ps(qb), _mm512_castsi512_ps(kv[v]), acc[i][v]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NVK; ++v) _mm512_storeu_ps(s + i * TK + 16 * v, acc[i][v]);
+}
+
+// O [6][16 * NV] (row stride D) = O * alpha + P [6][keys] . V [keys][16 * NV], keys = 2 * npairs (BF) or npairs
+template <bool BF, int NV>
+static inline void pv_tile(const uint32_t* __restrict p, const uint32_t* __restrict vp, float* __restrict o,
+                           const float* alpha, int64_t D, int64_t n) {
+  constexpr int PS = BF ? TK / 2 : TK;  // P row stride in 32-bit units
+  __m512 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    const __m512 al = _mm512_set1_ps(alpha[i]);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_mul_ps(_mm512_loadu_ps(o + i * D + 16 * v), al);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    __m512i vv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) vv[v] = _mm512_loadu_si512(vp + j * D + 16 * v);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512i pb = _mm512_set1_epi32(static_cast<int>(p[i * PS + j]));
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+#ifdef __AVX512BF16__
+        if (BF) {
+          acc[i][v] = _mm512_dpbf16_ps(acc[i][v], (__m512bh)pb, (__m512bh)vv[v]);
+          continue;
+        }
+#endif
+        acc[i][v] = _mm512_fmadd_ps(_mm512_castsi512_ps(pb), _mm512_castsi512_ps(vv[v]), acc[i][v]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + i * D + 16 * v, acc[i][v]);
+}
+
+template <bool BF>
+static inline void qk_dispatch(int nvk, const uint32_t* q, const uint32_t* kt, float* s, int64_t C) {
+  switch (nvk) {
+    case 4: qk_tile<BF, 4>(q, kt, s, C); break;
+    case 3: qk_tile<BF, 3>(q, kt, s, C); break;
+    case 2: qk_tile<BF, 2>(q, kt, s, C); break;
+    default: qk_tile<BF, 1>(q, kt, s, C);
+  }
+}
+
+struct Task {
+  int64_t s, h, i0, i1;  // sequence, KV head, its query tokens i0 .. i1 (of the chunk)
+  double cost;
+};
+
+template <typename T, bool BF>
+static void attend(const Args<T>& a, const std::vector<SeqPack>& packs, const uint32_t* kbuf, const uint32_t* vbuf,
+                   const std::vector<Task>& tasks, int64_t max_rows) {
+  const int64_t D = a.D, C = BF ? D / 2 : D, G = a.G, tile_units = TK * C;
+  const int64_t window = a.window;
+  std::atomic<int64_t> next{0};
+  const int64_t ntasks = static_cast<int64_t>(tasks.size());
+  const int nthreads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), ntasks));
+  at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
+    const int64_t rpad = (max_rows + MR - 1) / MR * MR;
+    std::vector<uint32_t> qbuf(rpad * C);
+    std::vector<float> obuf(rpad * D), mbuf(rpad), lbuf(rpad);
+    std::vector<int64_t> qposbuf(rpad), wlobuf(rpad);
+    alignas(64) float sbuf[MR * TK];
+    alignas(64) uint32_t pbuf[MR * TK];
+    float alpha[MR];
+    for (int64_t ti; (ti = next.fetch_add(1)) < ntasks;) {
+      const Task& task = tasks[ti];
+      const int64_t* sq = a.seqs + 4 * task.s;
+      const int64_t q_start = sq[0], q_len = sq[1], ctx = sq[2];
+      const int64_t R = (task.i1 - task.i0) * G, Rp = (R + MR - 1) / MR * MR;
+      const SeqPack& sp = packs[task.s];
+      const uint32_t* kt0 = kbuf + (sp.base + task.h * sp.nt) * tile_units;
+      const uint32_t* vp0 = vbuf + (sp.base + task.h * sp.nt) * tile_units;
+      // rows: token-major, then the query heads of KV head h
+      for (int64_t r = 0; r < Rp; ++r) {
+        uint32_t* qr = qbuf.data() + r * C;
+        if (r >= R) {
+          std::fill(qr, qr + C, 0u);
+          qposbuf[r] = -1;
+          wlobuf[r] = 0;
+          continue;
+        }
+        const int64_t i = task.i0 + r / G, hq = task.h * G + r % G;
+        const T* src = a.q + (q_start + i) * a.qs_t + hq * a.qs_h;
+        if (BF) {
+          std::memcpy(qr, src, C * sizeof(uint32_t));
+        } else {
+          float* f = reinterpret_cast<float*>(qr);
+          for (int64_t d = 0; d < D; ++d) f[d] = static_cast<float>(src[d]);
+        }
+        const int64_t pos = ctx - q_len + i;
+        qposbuf[r] = pos;
+        wlobuf[r] = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+      }
+      std::fill(obuf.begin(), obuf.begin() + Rp * D, 0.f);
+      std::fill(mbuf.begin(), mbuf.begin() + Rp, -INFINITY);
+      std::fill(lbuf.begin(), lbuf.begin() + Rp, 0.f);
+      // keys this task needs: tiles tlo .. thi - 1
+      const int64_t first_lo = wlobuf[0], last_pos = ctx - q_len + task.i1 - 1;
+      const int64_t tlo = first_lo / TK, thi = last_pos / TK + 1;
+      for (int64_t c0 = tlo; c0 < thi; c0 += CHUNK) {
+        const int64_t c1 = std::min(thi, c0 + CHUNK);
+        for (int64_t r0 = 0; r0 < R; r0 += MR) {
+          int64_t hi = -1, lo = INT64_MAX;
+          for (int i = 0; i < MR; ++i)
+            if (qposbuf[r0 + i] >= 0) {
+              hi = std::max(hi, qposbuf[r0 + i] + 1);
+              lo = std::min(lo, wlobuf[r0 + i]);
+            }
+          const int64_t t0 = std::max(c0, lo / TK), t1 = std::min(c1, (hi - 1) / TK + 1);
+          const uint32_t* qr = qbuf.data() + r0 * C;
+          for (int64_t t = t0; t < t1; ++t) {
+            const int64_t kbase = t * TK;
+            const int nvk = static_cast<int>(std::min<int64_t>(TK, hi - kbase) + 15) / 16;
+            const uint32_t* kt = kt0 + (t - sp.t0) * tile_units;
+            const uint32_t* vp = vp0 + (t - sp.t0) * tile_units;
+            qk_dispatch<BF>(nvk, qr, kt, sbuf, C);
+            // online softmax, row by row
+            const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+            const __m512 vscale = _mm512_set1_ps(a.scale);
+            for (int i = 0; i < MR; ++i) {
+              const int64_t r = r0 + i, qp = qposbuf[r], wl = wlobuf[r];
+              float* srow = sbuf + i * TK;
+              uint32_t* prow = pbuf + i * (BF ? TK / 2 : TK);
+              __m512 sv[4];
+              __mmask16 valid[4];
+              __m512 vm = _mm512_set1_ps(-INFINITY);
+              for (int v = 0; v < nvk; ++v) {
+                const __m512i kp = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int>(kbase + 16 * v)));
+                valid[v] = _mm512_cmple_epi32_mask(kp, _mm512_set1_epi32(static_cast<int>(qp))) &
+                           _mm512_cmpge_epi32_mask(kp, _mm512_set1_epi32(static_cast<int>(wl)));
+                sv[v] = _mm512_mul_ps(_mm512_loadu_ps(srow + 16 * v), vscale);
+                vm = _mm512_mask_max_ps(vm, valid[v], vm, sv[v]);
+              }
+              const float m_old = mbuf[r], m_new = std::max(m_old, _mm512_reduce_max_ps(vm));
+              if (m_new == -INFINITY) {  // nothing to attend in this tile (a padding row, or before its window)
+                alpha[i] = 1.f;
+                std::memset(prow, 0, (BF ? TK / 2 : TK) * sizeof(uint32_t));
+                continue;
+              }
+              alpha[i] = std::exp(m_old - m_new);
+              mbuf[r] = m_new;
+              const __m512 mv = _mm512_set1_ps(m_new);
+              __m512 sum = _mm512_setzero_ps();
+              __m512 pv[4];
+              for (int v = 0; v < nvk; ++v) {
+                pv[v] = _mm512_maskz_mov_ps(valid[v], exp_ps(_mm512_sub_ps(sv[v], mv)));
+                sum = _mm512_add_ps(sum, pv[v]);
+              }
+              lbuf[r] = lbuf[r] * alpha[i] + _mm512_reduce_add_ps(sum);
+              if (BF) {
+#ifdef __AVX512BF16__
+                for (int v = 0; v < nvk; v += 2) {
+                  const __m512 hi2 = v + 1 < nvk ? pv[v + 1] : _mm512_setzero_ps();
+                  _mm512_storeu_si512(prow + 8 * v, (__m512i)_mm512_cvtne2ps_pbh(hi2, pv[v]));
+                }
+#endif
+              } else {
+                for (int v = 0; v < nvk; ++v) _mm512_storeu_ps(reinterpret_cast<float*>(prow) + 16 * v, pv[v]);
+              }
+            }
+            const int64_t nk = BF ? nvk * 8 : nvk * 16;
+            float* o = obuf.data() + r0 * D;
+            int64_t d0 = 0;
+            for (; d0 + 64 <= D; d0 += 64) pv_tile<BF, 4>(pbuf, vp + d0, o + d0, alpha, D, nk);
+            if (d0 < D) pv_tile<BF, 2>(pbuf, vp + d0, o + d0, alpha, D, nk);
+          }
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t i = task.i0 + r / G, hq = task.h * G + r % G;
+        T* dst = a.out + (q_start + i) * a.os_t + hq * a.os_h;
+        const float inv = lbuf[r] > 0.f ? 1.f / lbuf[r] : 0.f;
+        const float* o = obuf.data() + r * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d] * inv);
+      }
+    }
+  });
+}
+
+template <typename T, bool BF>
+static void run(const Args<T>& a) {
+  // pass 1: pack every (sequence, KV head)'s tiles from the first one its chunk's queries can see
+  std::vector<SeqPack> packs(a.S);
+  int64_t total = 0;
+  for (int64_t s = 0; s < a.S; ++s) {
+    const int64_t* sq = a.seqs + 4 * s;
+    const int64_t ctx = sq[2], first = ctx - sq[1];
+    const int64_t lo = a.window > 0 && first - a.window + 1 > 0 ? first - a.window + 1 : 0;
+    packs[s].t0 = lo / TK;
+    packs[s].nt = (ctx + TK - 1) / TK - packs[s].t0;
+    packs[s].base = total;
+    total += packs[s].nt * a.Hkv;
+  }
+  const int64_t C = BF ? a.D / 2 : a.D, tile_units = TK * C;
+  at::Tensor kbuf = at::empty({total * tile_units}, at::TensorOptions().dtype(at::kInt));
+  at::Tensor vbuf = at::empty({total * tile_units}, at::TensorOptions().dtype(at::kInt));
+  uint32_t* kb = reinterpret_cast<uint32_t*>(kbuf.data_ptr<int32_t>());
+  uint32_t* vb = reinterpret_cast<uint32_t*>(vbuf.data_ptr<int32_t>());
+  // one pack task per (sequence, tile), all its KV heads: the rows of a tile are read front to back
+  std::vector<int64_t> seq_of, tile_of;
+  for (int64_t s = 0; s < a.S; ++s)
+    for (int64_t t = 0; t < packs[s].nt; ++t) seq_of.push_back(s), tile_of.push_back(packs[s].t0 + t);
+  at::parallel_for(0, static_cast<int64_t>(seq_of.size()), 1, [&](int64_t b, int64_t e) {
+    const T* kr[TK];
+    const T* vr[TK];
+    int64_t koff[TK], voff[TK];
+    for (int64_t x = b; x < e; ++x) {
+      const int64_t s = seq_of[x], t = tile_of[x];
+      const int64_t* sq = a.seqs + 4 * s;
+      const int64_t n = std::min<int64_t>(TK, sq[2] - t * TK);  // keys of this tile in the context
+      if (sq[3] < 0) {  // nothing cached: the chunk's own new K/V
+        for (int64_t j = 0; j < n; ++j) {
+          koff[j] = (sq[0] + t * TK + j) * a.ks_t;
+          voff[j] = (sq[0] + t * TK + j) * a.vs_t;
+        }
+      } else {
+        const int64_t* table = a.tables + sq[3] * a.maxb;
+        for (int64_t j = 0, p = t * TK, blk = p / a.bs, off = p % a.bs; j < n; ++j) {
+          koff[j] = voff[j] = (table[blk] * a.bs + off) * a.Hkv * a.D;
+          if (++off == a.bs) off = 0, ++blk;
+        }
+      }
+      for (int64_t h = 0; h < a.Hkv; ++h) {
+        const T* kbase = sq[3] < 0 ? a.k + h * a.ks_h : a.kc + h * a.D;
+        const T* vbase = sq[3] < 0 ? a.v + h * a.vs_h : a.vc + h * a.D;
+        for (int64_t j = 0; j < TK; ++j) {
+          kr[j] = j < n ? kbase + koff[j] : nullptr;
+          vr[j] = j < n ? vbase + voff[j] : nullptr;
+        }
+        const int64_t idx = packs[s].base + h * packs[s].nt + (t - packs[s].t0);
+        pack_tile<T, BF>(a, kr, vr, kb + idx * tile_units, vb + idx * tile_units);
+      }
+    }
+  });
+  // pass 2: tasks of (sequence, KV head, query tile), small enough tiles that all threads have work
+  const int64_t nthreads = at::get_num_threads();
+  int64_t qt = 32;
+  auto count = [&](int64_t m) {
+    int64_t n = 0;
+    for (int64_t s = 0; s < a.S; ++s) n += (a.seqs[4 * s + 1] + m - 1) / m * a.Hkv;
+    return n;
+  };
+  while (qt > 8 && count(qt) < 4 * nthreads) qt /= 2;
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < a.S; ++s) {
+    const int64_t q_len = a.seqs[4 * s + 1], ctx = a.seqs[4 * s + 2];
+    for (int64_t i0 = 0; i0 < q_len; i0 += qt) {
+      const int64_t i1 = std::min(q_len, i0 + qt);
+      const double last = static_cast<double>(ctx - q_len + i1);
+      const double keys = a.window > 0 ? std::min<double>(last, a.window) : last;
+      for (int64_t h = 0; h < a.Hkv; ++h) tasks.push_back({s, h, i0, i1, keys * (i1 - i0)});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  attend<T, BF>(a, packs, kb, vb, tasks, qt * a.G);
+}
+#endif
+
+}  // namespace batchery_prefill
+
+bool has_prefill_attention() { return batchery_prefill::available(); }
+
+// out[t, h] = attention of q[t, h] for every prefill chunk in seqs; see batchery.engine.attention.cpu_prefill
+void prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor kc, at::Tensor vc, at::Tensor out,
+                       at::Tensor seqs, at::Tensor tables, double scale, int64_t window) {
+#ifdef __AVX512F__
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.sizes() == q.sizes(), "prefill_attention: shapes");
+  TORCH_CHECK(kc.dim() == 4 && kc.is_contiguous() && vc.is_contiguous() && vc.sizes() == kc.sizes(),
+              "prefill_attention: caches must be contiguous [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && out.stride(2) == 1,
+              "prefill_attention: the last dimension must be contiguous");
+  TORCH_CHECK(seqs.scalar_type() == at::kLong && seqs.is_contiguous() && seqs.dim() == 2 && seqs.size(1) == 4,
+              "prefill_attention: seqs must be contiguous int64 [S, 4]");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.dim() == 2,
+              "prefill_attention: tables must be contiguous int64 [N, max_blocks]");
+  const int64_t H = q.size(1), D = q.size(2), Hkv = kc.size(2);
+  TORCH_CHECK(kc.size(3) == D && k.size(1) == Hkv && k.size(2) == D && H % Hkv == 0 && D % 32 == 0,
+              "prefill_attention: head_dim must be a multiple of 32 and heads a multiple of KV heads");
+  auto dt = q.scalar_type();
+  TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt && kc.scalar_type() == dt && vc.scalar_type() == dt &&
+                  out.scalar_type() == dt,
+              "prefill_attention: one dtype for all");
+  const int64_t S = seqs.size(0);
+  const int64_t* sp = seqs.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(sp[4 * s + 1] > 0 && sp[4 * s + 1] <= sp[4 * s + 2] && sp[4 * s] + sp[4 * s + 1] <= q.size(0),
+                "prefill_attention: bad chunk");
+    TORCH_CHECK(sp[4 * s + 3] < 0 ? sp[4 * s + 1] == sp[4 * s + 2]
+                                  : sp[4 * s + 3] < tables.size(0) &&
+                                        (sp[4 * s + 2] + kc.size(1) - 1) / kc.size(1) <= tables.size(1),
+                "prefill_attention: bad block table");
+  }
+  if (S == 0) return;
+  auto fill = [&](auto* ptr) {
+    using T = std::remove_pointer_t<decltype(ptr)>;
+    batchery_prefill::Args<T> a;
+    a.S = S, a.H = H, a.Hkv = Hkv, a.G = H / Hkv, a.D = D, a.bs = kc.size(1), a.maxb = tables.size(1);
+    a.window = window;
+    a.qs_t = q.stride(0), a.qs_h = q.stride(1), a.ks_t = k.stride(0), a.ks_h = k.stride(1);
+    a.vs_t = v.stride(0), a.vs_h = v.stride(1), a.os_t = out.stride(0), a.os_h = out.stride(1);
+    a.q = q.data_ptr<T>(), a.k = k.data_ptr<T>(), a.v = v.data_ptr<T>(), a.kc = kc.data_ptr<T>();
+    a.vc = vc.data_ptr<T>(), a.out = out.data_ptr<T>(), a.seqs = sp, a.tables = tables.data_ptr<int64_t>();
+    a.scale = static_cast<float>(scale);
+    return a;
+  };
+  if (dt == at::kFloat) {
+    batchery_prefill::run<float, false>(fill(static_cast<float*>(nullptr)));
+  } else if (dt == at::kBFloat16) {
+    auto a = fill(static_cast<c10::BFloat16*>(nullptr));
+#ifdef __AVX512BF16__
+    batchery_prefill::run<c10::BFloat16, true>(a);
+#else
+    batchery_prefill::run<c10::BFloat16, false>(a);
+#endif
+  } else {
+    TORCH_CHECK(false, "prefill_attention: float32 or bfloat16");
+  }
+#else
+  TORCH_CHECK(false, "prefill_attention: built without AVX-512");
+#endif
+}
+"""
+FUNCTIONS: list[str] = ["prefill_attention", "has_prefill_attention"]
+
+_STEP_KEY = "cpu_prefill"  # the per-step chunk description, kept in ``AttentionMetadata.masks`` for all layers
+_available: bool | None = None
+
+
+def available() -> bool:
+    """Whether the built extension has the kernel (it needs AVX-512; elsewhere torch keeps prefill)."""
+    global _available
+    if _available is None:
+        kernels = cpu_kernels.load()
+        _available = kernels is not None and bool(kernels.has_prefill_attention())
+    return _available
+
+
+def supports(q: torch.Tensor, softcap: float | None) -> bool:
+    """Whether the kernel runs this layer's prefill: fp32 / bf16 on the CPU, head_dim a multiple of 32, no softcap."""
+    return (
+        not softcap
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and q.shape[-1] % 32 == 0
+        and available()
+    )
+
+
+def _step_arrays(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's prefill chunks as the kernel reads them, built once per step (every layer shares them):
+    seqs int64 [S, 4] of (q_start, q_len, context_len, row of ``tables`` or -1 when nothing was cached:
+    the keys are then the chunk's own k/v), and tables int64 [rows, max_blocks]."""
+    cached = md.masks.get(_STEP_KEY)
+    if cached is None:
+        rows: list[list[int]] = []
+        blocks: list[torch.Tensor] = []
+        for p in md.prefills:
+            rows.append([p.q_start, p.q_len, p.context_len, -1 if p.block_table is None else len(blocks)])
+            if p.block_table is not None:
+                blocks.append(p.block_table)
+        width = max((len(b) for b in blocks), default=1)
+        tables = torch.zeros(len(blocks), width, dtype=torch.long)
+        for i, b in enumerate(blocks):
+            tables[i, : len(b)] = b
+        cached = md.masks[_STEP_KEY] = (torch.tensor(rows, dtype=torch.long).view(-1, 4), tables)
+    return cached
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    out: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """Writes every prefill chunk's attention into its rows of ``out``. q, out: [T, H, D]; k, v: [T, Hkv, D]
+    (any strides with the last dimension contiguous; already stored in the caches); caches
+    [num_blocks, block_size, Hkv, D]. Query i of a chunk sits at position context_len - q_len + i and attends
+    keys up to it (within ``sliding_window`` of it when set). Only for what ``supports`` accepts."""
+    kernels = cpu_kernels.load()
+    assert kernels is not None  # supports() said so
+    seqs, tables = _step_arrays(md)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    kernels.prefill_attention(q, k, v, k_cache, v_cache, out, seqs, tables, float(scale), int(sliding_window or 0))

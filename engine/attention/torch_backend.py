@@ -2,15 +2,15 @@
 
 Decode sequences (one query token each) are attended in one batched call over their gathered
 block tables; prefill chunks are attended one sequence at a time (there are few per step).
-The "cpu" backend is this path with decode handed to the C++ kernel in ``cpu_paged``, which
-reads the block pool directly instead of gathering a padded copy."""
+The "cpu" backend is this path with decode handed to the C++ kernel in ``cpu_paged`` and prefill
+to the one in ``cpu_prefill``, which read the block pool directly instead of gathering a padded copy."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from batchery.engine.attention import cpu_paged
+from batchery.engine.attention import cpu_paged, cpu_prefill
 from batchery.engine.attention.metadata import AttentionMetadata, PrefillSeq
 
 
@@ -118,6 +118,10 @@ def paged_attention(
                 qg = q[:nd].view(nd, hkv, -1, q.shape[-1])  # [B, Hkv, G, D]
                 o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=dmask, scale=scale)
             out[:nd] = o.reshape(nd, q.shape[1], q.shape[2])
+    if md.prefills and md.backend == "cpu" and cpu_prefill.supports(q, softcap):
+        # all of the step's chunks in one C++ call, K/V read from the pool (softcap and the rest: below)
+        cpu_prefill.prefill_attention(q, k, v, k_cache, v_cache, md, out, scale, sliding_window)
+        return out
     for p in md.prefills:
         qs = q[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
         if p.block_table is None:
