@@ -403,7 +403,11 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], num_new_tokens: list[int], eos_ids: list[int]) -> ModelRunnerOutput:
         """One engine step on the device: the scheduled tokens through the model, then a token sampled
         for every sequence that is now fully computed."""
-        return self.launch(seqs, num_new_tokens, eos_ids).get()
+        logits, sample_seqs = self._forward_step(seqs, num_new_tokens, None)
+        if logits is None:
+            return ModelRunnerOutput()
+        tokens, entries = self.sampler(logits, sample_seqs, eos_ids)
+        return ModelRunnerOutput(sample_seqs, tokens, entries)
 
     def launch(
         self,
@@ -412,27 +416,34 @@ class ModelRunner:
         eos_ids: list[int],
         prev_tokens: torch.Tensor | None = None,
     ) -> LaunchedStep:
-        """The step queued on the device, its sampled ids not read back yet (``LaunchedStep.get``
+        """``run`` queued on the device, its sampled ids not read back yet (``LaunchedStep.get``
         reads them; on CUDA their copy to the host is already under way). ``prev_tokens``: the
         sampled ids of the step launched before, still on the device (async scheduling): an input
         id ``-1 - j`` (a placeholder the scheduler gave a token not yet on the host) is its ``j``-th."""
+        logits, sample_seqs = self._forward_step(seqs, num_new_tokens, prev_tokens)
+        if logits is None:
+            return LaunchedStep([], None)
+        return LaunchedStep(sample_seqs, self.sampler.sample(logits, sample_seqs, eos_ids))
+
+    def _forward_step(
+        self, seqs: list[Sequence], num_new_tokens: list[int], prev_tokens: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """The step packed and through the model: the logits of the rows that sample and their
+        sequences (None: a step of partial prefills, nothing to sample)."""
         p = self.pack(seqs, num_new_tokens)
         if self.graphs is not None and not p.prefills and p.num_decode <= self.graphs.max_size:
-            logits = self.graphs.run(p, prev_tokens)
+            logits = self.graphs.run(p) if prev_tokens is None else self.graphs.run(p, prev_tokens)
             sample_seqs = p.sample_seqs
             if len(sample_seqs) != p.num_decode:  # a 1-token chunk of a longer recompute samples nothing
                 logits = logits[torch.from_numpy(p.logits_idx).to(self.device)]
-        else:
-            ids, pos, keep, md, sample_seqs = self.prepare(p)
-            if prev_tokens is not None:
-                ids = fill_placeholders(ids, prev_tokens)
-            if not sample_seqs:
-                keep = keep.new_zeros(1)  # a pure partial-prefill step: compute K/V, sample nothing
-            logits = self.forward(ids, pos, keep, md)
-            if not sample_seqs:
-                return LaunchedStep([], None)
-        sampled = self.sampler.sample(logits, sample_seqs, eos_ids)
-        return LaunchedStep(sample_seqs, sampled)
+            return logits, sample_seqs
+        ids, pos, keep, md, sample_seqs = self.prepare(p)
+        if prev_tokens is not None:
+            ids = fill_placeholders(ids, prev_tokens)
+        if not sample_seqs:
+            keep = keep.new_zeros(1)  # a pure partial-prefill step: compute K/V, sample nothing
+        logits = self.forward(ids, pos, keep, md)
+        return (logits if sample_seqs else None), sample_seqs
 
 
 def fill_placeholders(ids: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
