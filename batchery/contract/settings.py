@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
@@ -78,6 +79,10 @@ class EngineOptions(BaseModel):
     )
     cuda_graphs: bool = Field(
         default=True, description="replay decode steps from CUDA graphs (CUDA with Triton attention)"
+    )
+    async_scheduling: bool | Literal["auto"] = Field(
+        default="auto",
+        description="schedule the next step while the current one runs, tokens read one step late (auto: CUDA only)",
     )
     trust_remote_code: bool = Field(default=False, description="let transformers run a model repo's own code")
     seed: int = Field(default=0, description="sampler seed for requests without their own seed")
@@ -297,6 +302,7 @@ class Settings(BaseSettings):
             enable_prefix_caching=e.enable_prefix_caching,
             attention_backend=e.attention_backend,
             cuda_graphs=e.cuda_graphs,
+            async_scheduling=e.async_scheduling,
             trust_remote_code=e.trust_remote_code,
             seed=e.seed,
         )
