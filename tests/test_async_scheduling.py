@@ -410,3 +410,26 @@ def test_constrained_rows_fall_back_beside_pipelined_ones(smol):
     assert pipe.stats["num_async_drains"] > 0
     assert sync.outputs[reqs[2].rid].finish_reason == "stop"
     assert sync.outputs[reqs[3].rid].text in ("positive", "negative", "neutral")
+
+
+def test_an_oom_step_drains_the_pipeline_and_changes_no_output(tiny_model_dir, loaded, prompts):
+    """An out-of-memory launch commits the step before it first, then shrinks as the synchronous engine
+    does (nothing of the failed step was committed)."""
+    reqs = [Req(p, greedy(max_tokens=14)) for p in prompts] + [Req(prompts[0], seeded(8, max_tokens=14))]
+    sync = run(make_engine(tiny_model_dir, loaded, False, max_num_seqs=8), reqs)
+    eng = make_engine(tiny_model_dir, loaded, True, max_num_seqs=8)
+    calls, in_flight = [0], []
+
+    def hook(seqs):
+        calls[0] += 1
+        if calls[0] in (3, 6):
+            in_flight.append(eng._pending is not None)
+            raise torch.OutOfMemoryError(f"injected at call {calls[0]}")
+
+    eng.on_step_start = hook
+    again = fresh(reqs)
+    pipe = run(eng, again)
+    assert eng.num_oom == 2 and pipe.stats["num_async_steps"] > 0
+    assert in_flight == [True, True]  # each OOM came while the step before was on the device
+    for a, b in zip(reqs, again, strict=True):
+        assert view(sync.outputs[a.rid]) == view(pipe.outputs[b.rid])
