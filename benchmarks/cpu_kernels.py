@@ -142,6 +142,46 @@ def prefill(dtype, cases) -> None:
         )
 
 
+def fused(kernel, rows_list, dtype) -> None:
+    """The elementwise work of SmolLM2's 30 decoder layers (two RMSNorms, two residual adds, the rotary
+    embedding, SiLU * up): HF's torch code against the fused kernels (``batchery.engine.cpu_fused``)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(0)
+    norm = LlamaRMSNorm(HIDDEN, eps=1e-5).to(dtype)
+    w, eps = norm.weight, norm.variance_epsilon
+    widths = dict(h=HIDDEN, o=HIDDEN, q=HEADS * HEAD_DIM, k=KV_HEADS * HEAD_DIM, gate=FFN, up=FFN, cos=HEAD_DIM)
+    for rows in rows_list:
+        t = {name: torch.randn(1, rows, n, generator=g).to(dtype) for name, n in widths.items()}
+        t["sin"] = torch.randn(1, rows, HEAD_DIM, generator=g).to(dtype)
+
+        def hf_layers(t=t, rows=rows):
+            for _ in range(LAYERS):
+                x = norm(t["h"])
+                qs = t["q"].view(1, rows, HEADS, HEAD_DIM).transpose(1, 2)
+                ks = t["k"].view(1, rows, KV_HEADS, HEAD_DIM).transpose(1, 2)
+                apply_rotary_pos_emb(qs, ks, t["cos"], t["sin"])
+                r = t["h"] + t["o"]
+                x = norm(r)
+                F.silu(t["gate"]) * t["up"]
+                r + x
+
+        def fused_layers(t=t):
+            h, o, cos, sin = t["h"].clone(), t["o"].clone(), t["cos"][0].contiguous(), t["sin"][0].contiguous()
+            for _ in range(LAYERS):
+                kernel.fused_add_rms_norm(h, o, w, eps)
+                kernel.fused_rope(t["q"], t["k"], cos, sin)
+                kernel.fused_add_rms_norm(h, o, w, eps)
+                kernel.fused_silu_mul(t["gate"], t["up"])
+
+        with torch.inference_mode():
+            t_hf, t_ours = timed(hf_layers, 5), timed(fused_layers, 5)
+        print(
+            f"  {str(dtype).removeprefix('torch.'):9s} rows {rows:4d}: HF's torch ops {t_hf * 1e3:7.2f} ms, "
+            f"fused {t_ours * 1e3:6.2f} ms ({t_hf / t_ours:4.1f}x)"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqs", type=int, default=64)
@@ -167,6 +207,9 @@ def main() -> None:
     print("prefill attention, one layer (9 query / 3 KV heads, head_dim 64, block 16):")
     for dtype in (torch.float32, torch.bfloat16):
         prefill(dtype, [(1, 512, 512), (1, 32, 640), (8, 48, 648), (1, 1024, 1024)])
+    print("decoder-layer elementwise ops, 30 layers (norms, residual adds, rotary, SiLU * up):")
+    for dtype in (torch.float32, torch.bfloat16):
+        fused(kernel, rows, dtype)
 
 
 if __name__ == "__main__":
