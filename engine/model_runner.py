@@ -465,7 +465,9 @@ class LaunchedStep:
 
     @property
     def tokens(self) -> torch.Tensor | None:
-        return self.sampled.tokens if self.sampled is not None else None
+        """The sampled ids on the device; None when the step sampled nothing (a graph step of 1-token
+        recompute chunks samples from zero rows), so that no placeholder can refer to it."""
+        return self.sampled.tokens if self.sampled is not None and self.sample_seqs else None
 
     @property
     def needs_host(self) -> bool:
