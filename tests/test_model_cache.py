@@ -56,8 +56,20 @@ def cache(tmp_path, monkeypatch, real_gguf) -> Path:
 
 
 def _converted(cache: Path) -> list[Path]:
+    """The converted directories (fp32), without their copies in other dtypes (``_variants``)."""
     hf = cache / "hf"
-    return sorted(p for p in hf.iterdir() if p.is_dir() and not p.name.startswith(".")) if hf.exists() else []
+    if not hf.exists():
+        return []
+    return sorted(p for p in hf.iterdir() if p.is_dir() and not p.name.startswith(".") and not _is_variant(p))
+
+
+def _is_variant(p: Path) -> bool:
+    return p.name.endswith(("-bfloat16", "-float16"))
+
+
+def _variants(cache: Path) -> list[Path]:
+    hf = cache / "hf"
+    return sorted(p for p in hf.iterdir() if p.is_dir() and _is_variant(p)) if hf.exists() else []
 
 
 # -- keys: no model needed --------------------------------------------------------------------------
@@ -152,7 +164,7 @@ def _assert_same_tokenizer(a, b) -> None:
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cached_conversion_loads_bitwise_what_the_gguf_gives(cache, monkeypatch, dtype):
+def test_cached_conversion_loads_bitwise_what_the_gguf_gives(cache, monkeypatch, caplog, dtype):
     cfg = EngineConfig(dtype=dtype)
     monkeypatch.setenv(loader.CONVERT_ENV, "0")
     direct = loader.load_model(cfg)
@@ -165,10 +177,21 @@ def test_cached_conversion_loads_bitwise_what_the_gguf_gives(cache, monkeypatch,
     assert Path(first.tokenizer.name_or_path) == conv
     assert {"config.json", "model.safetensors", "tokenizer.json", loader._MANIFEST} <= {p.name for p in conv.iterdir()}
     assert not [p for p in (cache / "hf").iterdir() if p.name.startswith(".tmp-")], "temp dir left behind"
+    if dtype == "float32":
+        assert _variants(cache) == [], "an fp32 load reads the conversion itself"
+    else:  # the first load cast the fp32 weights and kept the cast copy beside the conversion
+        (variant,) = _variants(cache)
+        assert variant.name == f"{conv.name}-{dtype}"
+        assert {"config.json", "model.safetensors", loader._MANIFEST} <= {p.name for p in variant.iterdir()}
+        assert variant.stat().st_mode & 0o777 == 0o755
+        assert (variant / "model.safetensors").stat().st_size < (conv / "model.safetensors").stat().st_size * 0.6
     t0 = time.perf_counter()
-    second = loader.load_model(cfg)
+    with caplog.at_level(logging.INFO, logger="batchery.engine.loader"):
+        second = loader.load_model(cfg)
     took = time.perf_counter() - t0
     assert Path(second.tokenizer.name_or_path) == conv and _converted(cache) == [conv]
+    (loaded_line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded model")]
+    assert loaded_line.split(" from ")[1].split(" in ")[0] == str(conv if dtype == "float32" else variant)
     assert loader.calibration_cache_path().exists(), "load_model keeps the CPU calibration in the model cache"
     for loaded in (first, second):
         _assert_same_model(direct, loaded)
@@ -224,6 +247,41 @@ def test_corrupt_conversion_falls_back_to_the_gguf(cache, caplog):
     assert loaded.tokenizer.encode("hi")
     again = loader.hf_model_dir(DEFAULT_MODEL)
     assert again == d and (d / "model.safetensors").stat().st_size == size
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_broken_bf16_copy_is_never_used_and_is_written_again(cache, caplog):
+    cfg = EngineConfig(dtype="bfloat16")
+    reference = loader.load_model(cfg)  # converts, loads fp32 cast to bf16, keeps the bf16 copy
+    (variant,) = _variants(cache)
+    weights = variant / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:  # incomplete: the manifest check tells
+        f.truncate(size // 2)
+    with caplog.at_level(logging.WARNING, logger="batchery.engine.loader"):
+        again = loader.load_model(cfg)
+    assert "incomplete" in caplog.text
+    _assert_same_model(reference, again)
+    assert weights.stat().st_size == size, "the copy was not written again"
+    caplog.clear()
+    with open(weights, "r+b") as f:  # same size, garbage header: only loading it can tell
+        f.write(b"\xff" * 64)
+    with caplog.at_level(logging.WARNING, logger="batchery.engine.loader"):
+        third = loader.load_model(cfg)
+    assert "does not load" in caplog.text
+    _assert_same_model(reference, third)
+    assert Path(third.tokenizer.name_or_path) == _converted(cache)[0], "the fp32 conversion served this load"
+    with open(weights, "rb") as f:
+        assert f.read(8) != b"\xff" * 8, "the copy was not written again"
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_no_bf16_copy_without_the_conversion_cache(cache, monkeypatch):
+    monkeypatch.setenv(loader.CONVERT_ENV, "0")
+    loader.load_model(EngineConfig(dtype="bfloat16"))
+    assert _converted(cache) == [] and _variants(cache) == []
 
 
 # -- the CPU calibration cache (engine/fast_linear.py) -------------------------------------------------
