@@ -435,7 +435,7 @@ class ModelRunner:
             logits = self.graphs.run(p) if prev_tokens is None else self.graphs.run(p, prev_tokens)
             sample_seqs = p.sample_seqs
             if len(sample_seqs) != p.num_decode:  # a 1-token chunk of a longer recompute samples nothing
-                logits = logits[torch.from_numpy(p.logits_idx).to(self.device)]
+                logits = logits[self._to_device([p.logits_idx])[0]]
             return logits, sample_seqs
         ids, pos, keep, md, sample_seqs = self.prepare(p)
         if prev_tokens is not None:
