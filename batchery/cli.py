@@ -10,13 +10,10 @@ import argparse
 import json
 import os
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from batchery.contract.installs import worker_install_hint
-from batchery.contract.settings import add_worker_arguments, worker_argv, worker_overrides
 
 
 @dataclass(frozen=True)
@@ -27,16 +24,31 @@ class Command:
 
 
 # -- worker ---------------------------------------------------------------------------------------
+def _worker_arguments(p: argparse.ArgumentParser) -> None:
+    from batchery.contract.settings import add_worker_arguments  # pydantic: only when the parser is built
+
+    add_worker_arguments(p)
+
+
 def _worker_run(args: argparse.Namespace) -> int:
-    """Become ``python -m batchery.worker`` (exec: same process, so signals and the exit code are the
-    worker's). The CLI never imports the worker: the light install has none."""
+    from batchery.contract.settings import worker_argv, worker_overrides
+
+    return _worker_exec(worker_argv(worker_overrides(args)))
+
+
+def _worker_exec(flags: list[str]) -> int:
+    """Become ``python -m batchery.worker`` with ``flags`` (exec: same process, so signals and the exit
+    code are the worker's). The CLI never imports the worker: the light install has none. ``main`` comes
+    here for ``batchery worker ...`` before building its parsers: the worker parses and checks the same
+    flags (``add_worker_arguments``, under the same ``batchery worker`` name), and whatever this process
+    imported would only be imported again after the exec (about 0.2 s of a worker's start)."""
     hint = worker_install_hint("batchery worker")
     if hint is not None:
         print(f"batchery worker: {hint}", file=sys.stderr)
         return 2
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "batchery.worker", *worker_argv(worker_overrides(args))])
+    os.execv(sys.executable, [sys.executable, "-m", "batchery.worker", *flags])
     return 1  # not reached
 
 
@@ -50,6 +62,9 @@ def _health_args(p: argparse.ArgumentParser) -> None:
 
 
 def _probe(url: str, timeout: float) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read() or b"{}")
@@ -599,7 +614,7 @@ COMMANDS: dict[str, Command] = {
     "deadletter": Command(
         "list, inspect and requeue dead letters (messages that failed for good)", _deadletter_args, lambda args: 2
     ),
-    "worker": Command("run a worker", add_worker_arguments, _worker_run),
+    "worker": Command("run a worker", _worker_arguments, _worker_run),
     "health": Command("check a worker's health endpoints (exit code for healthchecks)", _health_args, _health_run),
 }
 
@@ -615,6 +630,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["worker"]:  # straight to the worker (see _worker_exec)
+        return _worker_exec(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args._run(args) or 0)
 
