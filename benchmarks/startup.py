@@ -2,8 +2,9 @@
 private ``redis-server`` (a free port, no persistence) and reports the seconds from the spawn to
 its ``batchery worker ready`` log line:
 
-- cold: an empty model cache (the converted GGUF and the CPU calibration not there yet); the GGUF
-  itself is linked (or copied) from your model cache, never downloaded again;
+- cold: an empty model cache (the converted GGUF, its bf16 copy when the dtype is bf16, and the CPU
+  calibration not there yet: the cold start writes them); the GGUF itself is linked (or copied) from
+  your model cache, never downloaded again;
 - warm: the same cache again, ``--warm`` times;
 - with ``--no-convert`` also warm starts with ``BATCHERY_MODEL_CACHE_CONVERT=0`` (the GGUF parsed
   and dequantized at every start, as before the conversion cache);
@@ -14,7 +15,8 @@ its ``batchery worker ready`` log line:
 Each start gets a phase breakdown from the worker's JSON log timestamps (interpreter and imports,
 model load, CPU kernel calibration, engine build, Celery start, the warm shutdown), and the CPU
 seconds the worker used up to ready (user + system): on a machine busy with other work that is
-closer to a quiet machine's wall time than the wall time is. The compiled CPU kernels live in
+closer to a quiet machine's wall time than the wall time is. Each start also shows the 1-minute load
+average just before it. The compiled CPU kernels live in
 torch's extension cache (``~/.cache/torch_extensions``) and are not cleared: "cold" is a new model
 cache, not a new machine.
 
@@ -254,6 +256,14 @@ def start_once(env: dict[str, str], log_path: Path, timeout: float) -> tuple[flo
     return ready - t_spawn, ph
 
 
+def load_average() -> str:
+    """The 1-minute load average (figures taken beside other work are that work's as much as the worker's)."""
+    try:
+        return Path("/proc/loadavg").read_text().split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -303,9 +313,10 @@ def main() -> int:
             off = {**env, "BATCHERY_MODEL_CACHE_CONVERT": "0"}
             plan += [(f"no conversion cache {i + 1}", off) for i in range(max(1, args.warm))]
         for label, e in plan:
+            load = load_average()
             secs, ph = start_once(e, work / f"worker-{len(runs)}.log", args.timeout)
-            runs.append((label, secs, ph))
-            print(f"{label:>24}: ready in {secs:6.2f} s", flush=True)
+            runs.append((f"{label}, load average {load}", secs, ph))
+            print(f"{label:>24}: ready in {secs:6.2f} s (load average {load} before it)", flush=True)
         run_marks = time_run(env, args.run, work, args.timeout) if args.run else []
     finally:
         redis.terminate()
