@@ -13,11 +13,16 @@ If the build fails (no compiler, no ninja) every caller falls back to torch; set
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
+import json
 import logging
 import os
+import sys
 import threading
 import types
+from pathlib import Path
 
 log = logging.getLogger("batchery.engine.kernels")
 
@@ -650,9 +655,69 @@ def functions() -> list[str]:
     return [*_FUNCTIONS, *(name for part in _parts() for name in part.FUNCTIONS)]
 
 
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]  # without it at::parallel_for runs on one thread
+
 _lock = threading.Lock()
 _module: types.ModuleType | None = None
 _failed = False
+
+
+def _built_marker() -> Path:
+    """Where the path of the extension built from exactly this source, these flags and this torch is noted.
+
+    Loading the built ``.so`` through ``load_inline`` imports ``torch.utils.cpp_extension`` (setuptools) and
+    runs ninja to find it up to date, a few hundred ms of every worker's start; with the note the ``.so`` is
+    imported directly. Keyed by everything the build depends on, and the note holds the file's size and mtime,
+    so a rebuild in place (another source under the same name) is never taken for this one."""
+    import torch
+
+    key = json.dumps(
+        [
+            NAME,
+            full_source(),
+            functions(),
+            _CFLAGS,
+            _LDFLAGS,
+            torch.__version__,
+            sys.version,
+            sys.platform,
+            os.environ.get("TORCH_EXTENSIONS_DIR", ""),
+        ]
+    )
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchery" / "kernels"
+    return base / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
+def _load_built(marker: Path) -> types.ModuleType | None:
+    try:
+        note = json.loads(marker.read_text())
+        so = Path(note["so"])
+        st = so.stat()
+        if [st.st_size, st.st_mtime_ns] != note["stat"] or note["name"] != so.name.split(".")[0]:
+            return None
+        spec = importlib.util.spec_from_file_location(note["name"], so)
+        if spec is None or spec.loader is None:
+            return None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not all(hasattr(module, f) for f in functions()):
+            return None
+        return module
+    except Exception:  # noqa: BLE001 - no note, a stale one, an unloadable file: build as before
+        return None
+
+
+def _note_built(marker: Path, module: types.ModuleType) -> None:
+    try:
+        so = Path(str(module.__file__))
+        st = so.stat()
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        tmp = marker.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"so": str(so), "name": module.__name__, "stat": [st.st_size, st.st_mtime_ns]}))
+        os.replace(tmp, marker)
+    except (OSError, TypeError, ValueError) as e:  # a read-only home: load through load_inline next time too
+        log.debug("could not note the built CPU kernels: %s", e)
 
 
 def load() -> types.ModuleType | None:
@@ -665,6 +730,10 @@ def load() -> types.ModuleType | None:
             if os.environ.get("BATCHERY_CPU_KERNELS", "1") == "0":
                 _failed = True
                 return None
+            marker = _built_marker()
+            _module = _load_built(marker)
+            if _module is not None:
+                return _module
             try:
                 from torch.utils.cpp_extension import load_inline
 
@@ -673,10 +742,11 @@ def load() -> types.ModuleType | None:
                     name=NAME,
                     cpp_sources=full_source(),
                     functions=functions(),
-                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],  # without it at::parallel_for runs on one thread
+                    extra_cflags=list(_CFLAGS),  # load_inline appends to the lists it is given
+                    extra_ldflags=list(_LDFLAGS),
                     verbose=False,
                 )
+                _note_built(marker, _module)
             except Exception as e:  # no compiler, no ninja, ...: the torch paths still work
                 _failed = True
                 log.warning(

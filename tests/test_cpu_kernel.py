@@ -192,3 +192,42 @@ def test_pack_panels_layout():
     assert (p[1, :, 16:] == 0).all()
     with pytest.raises(RuntimeError, match="pack_panels"):
         kernel.linear_panels(torch.randn(2, 3), p, 48, None)  # 48 outputs fit in one panel, not two
+
+
+def _load_in_subprocess(env: dict) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys\n"
+        "from batchery.engine import cpu_kernels\n"
+        "m = cpu_kernels.load()\n"
+        "print(json.dumps({'file': m.__file__, 'via_cpp_extension': 'torch.utils.cpp_extension' in sys.modules,"
+        " 'marker': str(cpu_kernels._built_marker())}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_built_extension_is_imported_without_cpp_extension(tmp_path):
+    """The first load notes the built .so; the next process imports it directly (no setuptools, no ninja run);
+    a note that no longer matches the file (rebuilt in place) is ignored and replaced."""
+    import json
+    import os
+
+    # its own note directory; the build itself stays where it is (TORCH_EXTENSIONS_DIR follows XDG_CACHE_HOME)
+    ext = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "TORCH_EXTENSIONS_DIR": ext}
+    first = _load_in_subprocess(env)
+    assert first["via_cpp_extension"]  # no note yet: load_inline found (or built) it
+    marker = tmp_path / "batchery" / "kernels" / os.path.basename(first["marker"])
+    assert json.loads(marker.read_text())["so"] == first["file"]
+    second = _load_in_subprocess(env)
+    assert second["file"] == first["file"] and not second["via_cpp_extension"]
+    note = json.loads(marker.read_text())
+    note["stat"][0] += 1  # as if the file were rebuilt since
+    marker.write_text(json.dumps(note))
+    third = _load_in_subprocess(env)
+    assert third["via_cpp_extension"] and json.loads(marker.read_text())["stat"][0] == note["stat"][0] - 1
