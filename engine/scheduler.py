@@ -150,21 +150,8 @@ class Scheduler:
         that finished meanwhile (the previous step's tokens stopped it, or it was aborted) is left
         alone: this step computes its row for nothing, and its token is never read. One whose
         placeholder reaches its length limit goes to ``finishing``."""
-        bm = self.block_manager
-        bs = bm.block_size
-        caching = bm.enable_prefix_caching
         finished = SequenceStatus.FINISHED
-        prompt_computed = 0
-        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
-            if seq.status is finished:
-                continue
-            left = seq.num_prompt_tokens - seq.num_computed_tokens
-            if left > 0:
-                prompt_computed += n if n < left else left
-            seq.num_computed_tokens += n
-            if caching and seq.num_computed_tokens // bs > len(seq.block_hashes):
-                bm.register_full_blocks(seq)
-        self.num_prompt_tokens_computed += prompt_computed
+        self._count_computed(out, skip_finished=True)
         for j, seq in enumerate(sampled):
             if seq.status is finished:
                 continue
@@ -199,15 +186,7 @@ class Scheduler:
             reason = check_stop(seq, tok)
             if reason is not None:
                 finished.append((seq, reason))
-        for seq in runner_out.sampled_seqs if self.unforked else ():
-            if seq.status is done:
-                continue
-            for child in self.unforked.pop(seq, []):
-                self.block_manager.fork(seq, child)
-                self.forked.append(child)
-                if child.isolated:
-                    self.isolated.append(child)
-                self.num_forks += 1
+        self._fork_children(runner_out.sampled_seqs, skip_finished=True)
         for seq, reason in finished:
             self.finish(seq, reason)
         return [seq for seq, _ in finished]
@@ -224,21 +203,7 @@ class Scheduler:
         """After the step ``out`` ran: count its tokens as computed, append each sampled token (and
         its logprobs), publish newly full blocks to the prefix cache, and finish the sequences
         ``check_stop`` says are done. Returns those, in sampling order."""
-        bm = self.block_manager
-        bs = bm.block_size
-        caching = bm.enable_prefix_caching
-        prompt_computed = 0
-        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
-            # the chunk covers positions [computed, computed + n); those before the prompt's end are prompt
-            left = seq.num_prompt_tokens - seq.num_computed_tokens
-            if left > 0:
-                prompt_computed += n if n < left else left
-            seq.num_computed_tokens += n
-            # publish the blocks this step filled (a decode sequence fills one every block_size steps): the tokens
-            # they hold are all computed, so this is the same before the sampled token is appended as after
-            if caching and seq.num_computed_tokens // bs > len(seq.block_hashes):
-                bm.register_full_blocks(seq)
-        self.num_prompt_tokens_computed += prompt_computed
+        self._count_computed(out, skip_finished=False)
         finished: list[tuple[Sequence, str]] = []
         for seq, tok, entry in zip(runner_out.sampled_seqs, runner_out.token_ids, runner_out.logprobs, strict=True):
             seq.token_ids.append(tok)
@@ -252,16 +217,49 @@ class Scheduler:
                 finished.append((seq, reason))
         # A parent that sampled its first token has just computed its prompt: its choices fork now,
         # before a parent that finished in this same step gives its blocks back.
-        for seq in runner_out.sampled_seqs if self.unforked else ():
+        self._fork_children(runner_out.sampled_seqs, skip_finished=False)
+        for seq, reason in finished:
+            self.finish(seq, reason)
+        return [seq for seq, _ in finished]
+
+    def _count_computed(self, out: SchedulerOutput, *, skip_finished: bool) -> None:
+        """Count step ``out``'s tokens as computed and publish the blocks it filled to the prefix
+        cache (``update_from_output`` and, launched ahead, ``advance``; the latter skips sequences
+        that finished meanwhile: their row is computed for nothing)."""
+        bm = self.block_manager
+        bs = bm.block_size
+        caching = bm.enable_prefix_caching
+        finished = SequenceStatus.FINISHED
+        prompt_computed = 0
+        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
+            if skip_finished and seq.status is finished:
+                continue
+            # the chunk covers positions [computed, computed + n); those before the prompt's end are prompt
+            left = seq.num_prompt_tokens - seq.num_computed_tokens
+            if left > 0:
+                prompt_computed += n if n < left else left
+            seq.num_computed_tokens += n
+            # publish the blocks this step filled (a decode sequence fills one every block_size steps): the tokens
+            # they hold are all computed, so this is the same before the sampled token is appended as after
+            if caching and seq.num_computed_tokens // bs > len(seq.block_hashes):
+                bm.register_full_blocks(seq)
+        self.num_prompt_tokens_computed += prompt_computed
+
+    def _fork_children(self, sampled: list[Sequence], *, skip_finished: bool) -> None:
+        """Fork the waiting choices (``n`` > 1) of each parent among ``sampled`` that has them: it
+        sampled its first token, so its prompt is computed and its blocks can be shared."""
+        if not self.unforked:
+            return
+        finished = SequenceStatus.FINISHED
+        for seq in sampled:
+            if skip_finished and seq.status is finished:
+                continue
             for child in self.unforked.pop(seq, []):
-                bm.fork(seq, child)
+                self.block_manager.fork(seq, child)
                 self.forked.append(child)
                 if child.isolated:
                     self.isolated.append(child)
                 self.num_forks += 1
-        for seq, reason in finished:
-            self.finish(seq, reason)
-        return [seq for seq, _ in finished]
 
     def set_step_limits(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
         """Change the per-step limits (the engine halves them after an out-of-memory step and
