@@ -241,9 +241,9 @@ static inline __m512 hsum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
-// exp(x) for x <= 0 (Cephes' polynomial on [-ln2/2, ln2/2], scaled by 2^n); about 1 ulp.
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+// exp(x) for x in [-104, 100] (Cephes' polynomial on [-ln2/2, ln2/2], scaled by 2^n); about 1 ulp. The one
+// polynomial of the extension: the decode and prefill attention (exp16) and the fused SiLU (its parts) call it.
+static inline __m512 exp_poly(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -257,6 +257,9 @@ static inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
 }
+
+// exp(x) for x <= 0 (softmax terms): about 1 ulp, 0 below -87.
+static inline __m512 exp16(__m512 x) { return exp_poly(_mm512_max_ps(x, _mm512_set1_ps(-87.f))); }
 
 // q . k for one row: the dot product's 16 partial sums (summed across lanes later, 16 rows at once)
 template <typename T, int NV>

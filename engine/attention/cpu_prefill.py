@@ -67,23 +67,6 @@ constexpr int TK = 64;     // keys per tile
 constexpr int MR = 6;      // query rows per register tile
 constexpr int CHUNK = 8;   // tiles per key chunk
 
-// exp(x) for x <= 0 (Cephes' polynomial on [-ln2/2, ln2/2], scaled by 2^n); about 1 ulp.
-static inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // r[i] lane j <- r[j] lane i (16 x 16 of 32-bit elements)
 static inline void transpose16(__m512i* r) {
   __m512i t[16], u[16];
@@ -355,7 +338,7 @@ static void attend(const Args<T>& a, const std::vector<SeqPack>& packs, const ui
               __m512 sum = _mm512_setzero_ps();
               __m512 pv[4];
               for (int v = 0; v < nvk; ++v) {
-                pv[v] = _mm512_maskz_mov_ps(valid[v], exp_ps(_mm512_sub_ps(sv[v], mv)));
+                pv[v] = _mm512_maskz_mov_ps(valid[v], ::exp16(_mm512_sub_ps(sv[v], mv)));
                 sum = _mm512_add_ps(sum, pv[v]);
               }
               lbuf[r] = lbuf[r] * alpha[i] + _mm512_reduce_add_ps(sum);
