@@ -204,9 +204,12 @@ def main() -> None:
         linear(kernel, rows, torch.bfloat16)
     else:
         print("bf16 linear: this CPU or compiler has no AVX512-BF16, torch keeps bf16 linears")
-    print("prefill attention, one layer (9 query / 3 KV heads, head_dim 64, block 16):")
-    for dtype in (torch.float32, torch.bfloat16):
-        prefill(dtype, [(1, 512, 512), (1, 32, 640), (8, 48, 648), (1, 1024, 1024)])
+    if kernel.has_prefill_attention():
+        print("prefill attention, one layer (9 query / 3 KV heads, head_dim 64, block 16):")
+        for dtype in (torch.float32, torch.bfloat16):
+            prefill(dtype, [(1, 512, 512), (1, 32, 640), (8, 48, 648), (1, 1024, 1024)])
+    else:
+        print("prefill attention: this CPU or compiler has no AVX-512, torch keeps prefill")
     print("decoder-layer elementwise ops, 30 layers (norms, residual adds, rotary, SiLU * up):")
     for dtype in (torch.float32, torch.bfloat16):
         fused(kernel, rows, dtype)
