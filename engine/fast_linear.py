@@ -17,6 +17,13 @@ kernel stopped winning.
   head tied to the embedding stays tied (one extra copy, as the untied transposed copy was before).
 - bf16 (CPUs with AVX512-BF16): the kernel reads a packed copy of the weight (pairs along ``in``, in 64-column
   panels); ``weight`` is kept for the row counts torch handles, so routed bf16 layers hold their weights twice.
+- Beyond the kernel's row limit (or from the first row where there is no kernel: bf16 on CPUs with AVX-512
+  but no AVX512-BF16) a second route is calibrated the same way: oneDNN's matmul on a copy of the weight
+  reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, as torch's inductor
+  packs frozen weights; on AMX CPUs oneDNN's bf16 runs on the tiles). ``F.linear`` packs nothing and, for fp32,
+  calls MKL. On a 2-core AVX2 EPYC, where our fp32 kernel loses at every row count but 1, the packed oneDNN
+  matmul was 1.25-2x faster than ``F.linear`` at 8-256 rows. A layer routed to it holds its weight twice.
+  Where this torch or CPU has no such path (bf16 on AVX2) the route is never calibrated.
 
 It is installed on the loaded model itself, so everything that runs the model (the engine, and the
 HF baselines in our benchmarks) uses the same kernels. Set ``BATCHERY_CPU_KERNELS=0`` to keep torch.
@@ -54,7 +61,7 @@ CALIBRATION_ROWS = (8, 64, 128, 256, 512)
 WIDE = 4096  # fp32 layers with at least this many outputs are read in panels (``pack_panels``)
 ANY = 1 << 62
 CALIBRATION_CACHE_ENV = "BATCHERY_CPU_CALIBRATION_CACHE"  # "0": calibrate at every start
-_CALIBRATION_VERSION = 2  # bump when calibrate() measures differently
+_CALIBRATION_VERSION = 3  # bump when calibrate() measures differently (3: the packed oneDNN route)
 _MAX_HOSTS = 32  # host keys kept in the file (a model cache shared by several machines)
 
 
@@ -67,17 +74,44 @@ class _RoutedLinear(torch.nn.Linear):
     _batchery_linear: KernelLinear
     _batchery_kernel: types.ModuleType  # the compiled kernels (``cpu_kernels.load()``)
     _batchery_max_rows: int  # inputs of up to this many rows go to the kernel
+    _batchery_onednn: KernelLinear | None  # oneDNN on a weight packed once, for the rows beyond the kernel's
+    _batchery_onednn_rows: int  # inputs of up to this many rows (and more than _batchery_max_rows) go to oneDNN
 
 
 def _forward(self: _RoutedLinear, x: torch.Tensor) -> torch.Tensor:
-    if (
-        x.dtype == self.weight.dtype
-        and not x.requires_grad
-        and x.device.type == "cpu"
-        and x.numel() <= self._batchery_max_rows * x.shape[-1]
-    ):
-        return self._batchery_linear(x, self.bias)
+    if x.dtype == self.weight.dtype and not x.requires_grad and x.device.type == "cpu":
+        numel = x.numel()
+        if numel <= self._batchery_max_rows * x.shape[-1]:
+            return self._batchery_linear(x, self.bias)
+        if self._batchery_onednn is not None and numel <= self._batchery_onednn_rows * x.shape[-1]:
+            return self._batchery_onednn(x, self.bias)
     return F.linear(x, self.weight, self.bias)
+
+
+ONEDNN_ROWS_HINT = 64  # the row count oneDNN packs a weight for (decode batches; any row count runs on it)
+
+
+def _onednn_fn(w: torch.Tensor) -> KernelLinear | None:
+    """(x, bias) -> y by oneDNN on a copy of ``w`` reordered once into its blocked layout (what torch's inductor
+    does for frozen weights), or None where this torch or CPU has no such path (bf16 without AVX512-BF16 /
+    AVX-NE-CONVERT). F.linear reorders nothing and runs MKL's sgemm for fp32: on a 2-core AVX2 EPYC the packed
+    oneDNN matmul was 1.25-2x faster at 8-256 rows (SmolLM2-135M layer shapes)."""
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    if mkldnn is None or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        packed = mkldnn._reorder_linear_weight(w.detach(), ONEDNN_ROWS_HINT)
+        probe = torch.zeros(1, w.shape[1], dtype=w.dtype)
+        mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+    except (RuntimeError, AttributeError) as e:
+        log.debug("no packed oneDNN linear for %s weights here: %s", w.dtype, e)
+        return None
+    op = mkldnn._linear_pointwise
+
+    def run(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return op(x, packed, bias, "none", [], "")
+
+    return run
 
 
 def _faster(a: Callable[[], object], b: Callable[[], object], reps: int = 5) -> bool:
@@ -126,6 +160,28 @@ def calibrate(kernel: types.ModuleType, in_features: int, out_features: int, dty
                 return limit
             limit = rows
     return ANY if rows_tried == list(CALIBRATION_ROWS) else limit
+
+
+def calibrate_onednn(in_features: int, out_features: int, dtype: torch.dtype, after: int) -> int:
+    """The largest row count above ``after`` (the kernel's limit) up to which oneDNN on a packed weight beats
+    ``F.linear`` here (0: none, or no packed oneDNN path; ``ANY``: every row count tried), timed as ``calibrate``
+    times the kernel."""
+    if after == ANY:
+        return 0
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(out_features, in_features, generator=g).to(dtype)
+    fn = _onednn_fn(w)
+    if fn is None:
+        return 0
+    limit = 0
+    rows_tried = [r for r in CALIBRATION_ROWS if (out_features < WIDE or r <= 256) and r > after]
+    with torch.inference_mode():
+        for rows in rows_tried:
+            x = torch.randn(rows, in_features, generator=g).to(dtype)
+            if not _faster(functools.partial(fn, x), functools.partial(F.linear, x, w)):
+                return limit
+            limit = rows
+    return ANY if rows_tried and rows_tried[-1] == CALIBRATION_ROWS[-1] else limit
 
 
 def _cpuinfo() -> dict[str, str]:
@@ -202,15 +258,16 @@ class _CalibrationCache:
             self.limits = {}
 
     @staticmethod
-    def _name(key: tuple[int, int, torch.dtype]) -> str:
-        return f"{key[0]}x{key[1]}:{str(key[2]).removeprefix('torch.')}"
+    def _name(key: tuple[int, int, torch.dtype], route: str) -> str:
+        name = f"{key[0]}x{key[1]}:{str(key[2]).removeprefix('torch.')}"
+        return name if route == "kernel" else f"{name}:{route}"
 
-    def get(self, key: tuple[int, int, torch.dtype]) -> int | None:
-        limit = self.limits.get(self._name(key))
+    def get(self, key: tuple[int, int, torch.dtype], route: str = "kernel") -> int | None:
+        limit = self.limits.get(self._name(key, route))
         return limit if isinstance(limit, int) and not isinstance(limit, bool) and 0 <= limit <= ANY else None
 
-    def put(self, key: tuple[int, int, torch.dtype], limit: int) -> None:
-        self.limits[self._name(key)] = limit
+    def put(self, key: tuple[int, int, torch.dtype], limit: int, route: str = "kernel") -> None:
+        self.limits[self._name(key, route)] = limit
         self.dirty = True
 
     def save(self) -> None:
@@ -258,7 +315,19 @@ def _eligible(lin: torch.nn.Module, kernel: types.ModuleType) -> bool:
         return False
     if w.dtype == torch.float32:
         return True
-    return w.dtype == torch.bfloat16 and lin.in_features % 2 == 0 and bool(kernel.has_bf16_linear())
+    return (
+        w.dtype == torch.bfloat16 and lin.in_features % 2 == 0 and (_has_kernel(kernel, w.dtype) or _onednn_ok(w.dtype))
+    )
+
+
+def _has_kernel(kernel: types.ModuleType, dtype: torch.dtype) -> bool:
+    """Whether our kernels have a linear for ``dtype`` here (fp32 always; bf16 with AVX512-BF16)."""
+    return dtype == torch.float32 or bool(kernel.has_bf16_linear())
+
+
+@functools.cache
+def _onednn_ok(dtype: torch.dtype) -> bool:
+    return _onednn_fn(torch.zeros(16, 16, dtype=dtype)) is not None
 
 
 def install(model: torch.nn.Module, max_rows: int | None = None, calibration_cache: Path | None = None) -> int:
@@ -281,36 +350,46 @@ def install(model: torch.nn.Module, max_rows: int | None = None, calibration_cac
         lin = cast(_RoutedLinear, module)  # an nn.Linear (``_eligible``), about to get the routed attributes
         w = lin.weight
         key = (lin.in_features, lin.out_features, w.dtype)
-        if max_rows is not None:
-            limit = ANY if max_rows < 0 else max_rows
+        if max_rows is not None:  # forced: the kernel where it has this dtype, else oneDNN
+            forced = ANY if max_rows < 0 else max_rows
+            limit, onednn_limit = (forced, 0) if _has_kernel(kernel, w.dtype) else (0, forced)
         elif key not in limits:
             cached = cache.get(key) if cache is not None else None
-            if cached is None:
-                limit = calibrate(kernel, *key)
-                if cache is not None:
-                    cache.put(key, limit)
-            else:
-                limit = cached
-            limits[key] = limit
+            cached_onednn = cache.get(key, "onednn") if cache is not None else None
+            limit = cached if cached is not None else calibrate(kernel, *key) if _has_kernel(kernel, w.dtype) else 0
+            onednn_limit = cached_onednn if cached_onednn is not None else calibrate_onednn(*key, after=limit)
+            if cache is not None and (cached is None or cached_onednn is None):
+                cache.put(key, limit)
+                cache.put(key, onednn_limit, "onednn")
+            limits[key] = (limit, onednn_limit)
             log.info(
-                "CPU linear kernel, %s %dx%d: faster than torch up to %s rows%s",
+                "CPU linear, %s %dx%d: our kernel up to %s rows, then %s%s",
                 str(w.dtype)[6:],
                 lin.in_features,
                 lin.out_features,
                 "any number of" if limit == ANY else limit,
-                "" if cached is None else " (calibrated before, cached)",
+                "torch"
+                if onednn_limit == 0
+                else f"packed oneDNN up to {'any number of' if onednn_limit == ANY else onednn_limit} rows, then torch",
+                "" if cached is None or cached_onednn is None else " (calibrated before, cached)",
             )
         else:
-            limit = limits[key]
-        if limit == 0:
+            limit, onednn_limit = limits[key]
+        if limit == 0 and onednn_limit == 0:
             continue
         with torch.no_grad():
-            lin._batchery_linear, kernel_weight = _kernel_fn(kernel, w.detach())
-            if w.dtype == torch.float32 and kernel_weight.dim() == 2:  # the [in, out] copy becomes the storage
-                if w.data_ptr() in embedding_ptrs:  # tied to the embedding: untie, the embedding keeps its rows
-                    lin.weight = torch.nn.Parameter(kernel_weight.t(), requires_grad=False)
-                else:
-                    lin.weight.data = kernel_weight.t()
+            if limit:
+                lin._batchery_linear, kernel_weight = _kernel_fn(kernel, w.detach())
+                if w.dtype == torch.float32 and kernel_weight.dim() == 2:  # the [in, out] copy becomes the storage
+                    if w.data_ptr() in embedding_ptrs:  # tied to the embedding: untie, the embedding keeps its rows
+                        lin.weight = torch.nn.Parameter(kernel_weight.t(), requires_grad=False)
+                    else:
+                        lin.weight.data = kernel_weight.t()
+            else:
+                lin._batchery_linear = F.linear  # never called: no row count is at most 0
+            # a copy in oneDNN's layout: a layer routed to it holds its weight twice
+            lin._batchery_onednn = _onednn_fn(lin.weight.detach().contiguous()) if onednn_limit else None
+        lin._batchery_onednn_rows = onednn_limit if lin._batchery_onednn is not None else 0
         # a per-instance forward is how a torch module is rerouted without swapping its class
         lin.forward = types.MethodType(_forward, lin)  # type: ignore[method-assign]  # nn.Module declares forward a method
         lin._batchery_kernel = kernel

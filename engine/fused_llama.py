@@ -37,6 +37,10 @@ from batchery.engine.attention.metadata import get_metadata
 log = logging.getLogger("batchery.engine.kernels")
 
 _STATE = "_batchery_fused"  # the attribute install sets on the inner model
+# The kernels' scalar code (a build without AVX-512) beats HF's vectorized torch ops only on small
+# steps: on a 2-core AVX2 EPYC, 30 layers' elementwise ops at 1/8/32/64/256 rows took 0.5/3.5/7.3/15.0/56.6 ms
+# against HF's 6.8/8.3/10.9/14.4/30.1 ms (benchmarks/cpu_kernels.py). Larger steps there take HF's forward.
+SCALAR_MAX_ROWS = 48
 # the keywords LlamaForCausalLM.forward hands its inner model; any other keyword takes HF's path
 _PLAIN_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds", "use_cache"})
 
@@ -155,6 +159,8 @@ def _model_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     state: _Fused = getattr(self, _STATE)
     kernel = cpu_kernels.load()
     if kernel is None or not _engine_step(self, args, kwargs):
+        return state.hf_forward(*args, **kwargs)
+    if kwargs["input_ids"].shape[1] > SCALAR_MAX_ROWS and not kernel.fused_vectorized():
         return state.hf_forward(*args, **kwargs)
     from transformers.modeling_outputs import BaseModelOutputWithPast
 

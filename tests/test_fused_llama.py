@@ -325,6 +325,37 @@ def test_engine_greedy_with_fused_layers_equals_without_and_hf(kernel, llama_dir
         assert abs(lps[0][0] - ref_lps[0][0]) < 5e-2
 
 
+def test_scalar_kernels_leave_large_steps_to_hf(kernel, llama_dir, monkeypatch):
+    """Without AVX-512 (forced here) a step of more than SCALAR_MAX_ROWS tokens takes HF's forward; a smaller
+    one the fused path; with the vector path every step is fused. The logits are HF's either way."""
+    loaded = load_model(EngineConfig(model=llama_dir, dtype="float32"))
+    model = loaded.model
+    register()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    fused_llama.install(model)
+    hf = None
+    previous = kernel.fused_set_scalar(True)
+    try:
+        monkeypatch.setattr(fused_llama, "SCALAR_MAX_ROWS", 10)  # the prefill step packs 19 tokens, the decode 2
+        before = fused_llama.fused_steps(model)
+        scalar = _steps(model, "torch")
+        assert fused_llama.fused_steps(model) == before + 1  # the decode step only
+        monkeypatch.setattr(fused_llama, "SCALAR_MAX_ROWS", 64)
+        both = _steps(model, "torch")
+        assert fused_llama.fused_steps(model) == before + 3
+    finally:
+        kernel.fused_set_scalar(previous)
+    if kernel.fused_vectorized():
+        monkeypatch.setattr(fused_llama, "SCALAR_MAX_ROWS", 10)
+        _steps(model, "torch")
+        assert fused_llama.fused_steps(model) == before + 5
+    fused_llama.uninstall(model)
+    hf = _steps(model, "torch")
+    for got in (scalar, both):
+        for a, b in zip(got, hf, strict=True):
+            assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_hf_paths_unchanged_after_install(kernel, llama_dir, dtype):
     loaded = load_model(EngineConfig(model=llama_dir, dtype=dtype))

@@ -332,11 +332,18 @@ def test_calibration_is_kept_and_read_back(kernels):
     assert not path.exists()
     fast_linear.install(_linears((64, 128), (128, 64), (64, 128)), calibration_cache=path)
     entry = _only_host(path)
-    assert set(entry["limits"]) == {"64x128:float32", "128x64:float32"}  # one calibration per shape
+    # one calibration per shape: our kernel's limit, and oneDNN's (on a packed weight) beyond it
+    assert set(entry["limits"]) == {
+        "64x128:float32",
+        "128x64:float32",
+        "64x128:float32:onednn",
+        "128x64:float32:onednn",
+    }
     assert set(entry["limits"].values()) <= {0, fast_linear.ANY, *fast_linear.CALIBRATION_ROWS}
     assert entry["host"] == fast_linear.calibration_host()
     # plant limits calibration can never return: a second install must use them, not time anything
-    entry["limits"] = {"64x128:float32": 7, "128x64:float32": 5}
+    planted = {"64x128:float32": 7, "128x64:float32": 5, "64x128:float32:onednn": 11, "128x64:float32:onednn": 9}
+    entry["limits"] = dict(planted)
     data = json.loads(path.read_text())
     (key,) = data["hosts"]
     data["hosts"][key] = entry
@@ -344,11 +351,14 @@ def test_calibration_is_kept_and_read_back(kernels):
     model = _linears((64, 128), (128, 64))
     assert fast_linear.install(model, calibration_cache=path) == 2
     assert _limits(model) == [7, 5]
+    if fast_linear._onednn_ok(torch.float32):
+        assert [m._batchery_onednn_rows for m in model] == [11, 9]
     # a shape it has not seen is calibrated and added beside them
     fast_linear.install(_linears((32, 48)), calibration_cache=path)
     limits = _only_host(path)["limits"]
     assert limits.pop("32x48:float32") in {0, fast_linear.ANY, *fast_linear.CALIBRATION_ROWS}
-    assert limits == {"64x128:float32": 7, "128x64:float32": 5}
+    assert limits.pop("32x48:float32:onednn") in {0, fast_linear.ANY, *fast_linear.CALIBRATION_ROWS}
+    assert limits == planted
 
 
 def test_calibration_cache_off_neither_reads_nor_writes(kernels, monkeypatch):
@@ -428,7 +438,7 @@ def test_an_unreadable_calibration_cache_is_replaced(kernels, caplog):
     with caplog.at_level(logging.WARNING, logger="batchery.engine.kernels"):
         fast_linear.install(_linears((64, 128)), calibration_cache=path)
     assert "unreadable" in caplog.text
-    assert set(_only_host(path)["limits"]) == {"64x128:float32"}
+    assert set(_only_host(path)["limits"]) == {"64x128:float32", "64x128:float32:onednn"}
 
 
 @pytest.mark.slow
