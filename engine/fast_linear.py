@@ -340,7 +340,7 @@ def install(model: torch.nn.Module, max_rows: int | None = None, calibration_cac
     if kernel is None:
         return 0
     embedding_ptrs = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    limits: dict[tuple[int, int, torch.dtype], int] = {}
+    limits: dict[tuple[int, int, torch.dtype], tuple[int, int]] = {}  # (kernel, oneDNN) row limits
     use_cache = max_rows is None and calibration_cache is not None and _calibration_cache_on()
     cache = _CalibrationCache(calibration_cache) if use_cache and calibration_cache is not None else None
     count = 0
