@@ -151,15 +151,21 @@ def calibrate(kernel: types.ModuleType, in_features: int, out_features: int, dty
     g = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=g).to(dtype)
     fn, _ = _kernel_fn(kernel, w)
+    return _limit(fn, w, g, after=0)
+
+
+def _limit(fn: KernelLinear, w: torch.Tensor, g: torch.Generator, after: int) -> int:
+    """The largest of the row counts above ``after`` up to which ``fn`` beats ``F.linear`` on ``w`` in a row
+    (``ANY`` when it won up to the last one); a ``WIDE`` layer is tried up to 256 rows."""
     limit = 0
-    rows_tried = [r for r in CALIBRATION_ROWS if out_features < WIDE or r <= 256]
+    rows_tried = [r for r in CALIBRATION_ROWS if (w.shape[0] < WIDE or r <= 256) and r > after]
     with torch.inference_mode():
         for rows in rows_tried:
-            x = torch.randn(rows, in_features, generator=g).to(dtype)
+            x = torch.randn(rows, w.shape[1], generator=g).to(w.dtype)
             if not _faster(functools.partial(fn, x), functools.partial(F.linear, x, w)):
                 return limit
             limit = rows
-    return ANY if rows_tried == list(CALIBRATION_ROWS) else limit
+    return ANY if rows_tried and rows_tried[-1] == CALIBRATION_ROWS[-1] else limit
 
 
 def calibrate_onednn(in_features: int, out_features: int, dtype: torch.dtype, after: int) -> int:
@@ -171,17 +177,7 @@ def calibrate_onednn(in_features: int, out_features: int, dtype: torch.dtype, af
     g = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=g).to(dtype)
     fn = _onednn_fn(w)
-    if fn is None:
-        return 0
-    limit = 0
-    rows_tried = [r for r in CALIBRATION_ROWS if (out_features < WIDE or r <= 256) and r > after]
-    with torch.inference_mode():
-        for rows in rows_tried:
-            x = torch.randn(rows, in_features, generator=g).to(dtype)
-            if not _faster(functools.partial(fn, x), functools.partial(F.linear, x, w)):
-                return limit
-            limit = rows
-    return ANY if rows_tried and rows_tried[-1] == CALIBRATION_ROWS[-1] else limit
+    return 0 if fn is None else _limit(fn, w, g, after)
 
 
 def _cpuinfo() -> dict[str, str]:
