@@ -195,8 +195,12 @@ def test_cached_conversion_loads_bitwise_what_the_gguf_gives(cache, monkeypatch,
     from batchery.engine import cpu_kernels
 
     kernels = cpu_kernels.load()
-    # bf16 layers are calibrated only where the bf16 kernel exists (AVX512-BF16); elsewhere torch keeps them
-    calibrated = kernels is not None and (dtype == "float32" or bool(kernels.has_bf16_linear()))
+    from batchery.engine import fast_linear
+
+    # bf16 layers are calibrated only where a bf16 route exists (our kernel: AVX512-BF16; oneDNN's packed matmul:
+    # AVX-512 or AVX-NE-CONVERT); on AVX2 torch keeps them and nothing is timed
+    bf16_route = kernels is not None and (bool(kernels.has_bf16_linear()) or fast_linear._onednn_ok(torch.bfloat16))
+    calibrated = kernels is not None and (dtype == "float32" or bf16_route)
     assert loader.calibration_cache_path().exists() == calibrated, "load_model keeps the CPU calibration in the cache"
     for loaded in (first, second):
         _assert_same_model(direct, loaded)
