@@ -88,6 +88,10 @@ def _forward(self: _RoutedLinear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, self.weight, self.bias)
 
 
+def _torch_linear(lin: torch.nn.Linear, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, lin.weight, bias)
+
+
 ONEDNN_ROWS_HINT = 64  # the row count oneDNN packs a weight for (decode batches; any row count runs on it)
 
 
@@ -381,8 +385,8 @@ def install(model: torch.nn.Module, max_rows: int | None = None, calibration_cac
                         lin.weight = torch.nn.Parameter(kernel_weight.t(), requires_grad=False)
                     else:
                         lin.weight.data = kernel_weight.t()
-            else:
-                lin._batchery_linear = F.linear  # never called: no row count is at most 0
+            else:  # no kernel rows: only an empty input (0 rows) reaches this, and torch takes it
+                lin._batchery_linear = functools.partial(_torch_linear, lin)
             # a copy in oneDNN's layout: a layer routed to it holds its weight twice
             lin._batchery_onednn = _onednn_fn(lin.weight.detach().contiguous()) if onednn_limit else None
         lin._batchery_onednn_rows = onednn_limit if lin._batchery_onednn is not None else 0
