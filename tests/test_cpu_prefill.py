@@ -11,11 +11,9 @@ from batchery.engine.attention.metadata import AttentionMetadata, PrefillSeq
 
 
 def _cpu_has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "avx512f" in f.read().split()
-    except OSError:
-        return False
+    from batchery.engine.fast_linear import _cpuinfo
+
+    return "avx512f" in _cpuinfo().get("flags", "").split()
 
 
 # The kernel is built with -march=native and needs AVX-512: elsewhere torch keeps prefill (see

@@ -333,7 +333,6 @@ def test_scalar_kernels_leave_large_steps_to_hf(kernel, llama_dir, monkeypatch):
     register()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     fused_llama.install(model)
-    hf = None
     previous = kernel.fused_set_scalar(True)
     try:
         monkeypatch.setattr(fused_llama, "SCALAR_MAX_ROWS", 10)  # the prefill step packs 19 tokens, the decode 2
