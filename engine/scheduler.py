@@ -14,7 +14,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from batchery.engine.block_manager import BlockManager
-from batchery.engine.outputs import ModelRunnerOutput
+from batchery.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from batchery.engine.sequence import Sequence, SequenceStatus
 from batchery.engine.stop_checker import StopCheck
 
@@ -178,12 +178,7 @@ class Scheduler:
             ids = seq.token_ids
             assert ids[-1] < 0, "a committed token replaces its sequence's placeholder"
             ids[-1] = tok
-            if seq.grammar is not None:
-                seq.grammar.accept(tok)
-            if entry is not None:
-                assert seq.logprobs is not None
-                seq.logprobs.append(entry)
-            reason = check_stop(seq, tok)
+            reason = self._took(seq, tok, entry, check_stop)
             if reason is not None:
                 finished.append((seq, reason))
         self._fork_children(runner_out.sampled_seqs, skip_finished=True)
@@ -207,12 +202,7 @@ class Scheduler:
         finished: list[tuple[Sequence, str]] = []
         for seq, tok, entry in zip(runner_out.sampled_seqs, runner_out.token_ids, runner_out.logprobs, strict=True):
             seq.token_ids.append(tok)
-            if seq.grammar is not None:
-                seq.grammar.accept(tok)  # the sampler masked the logits by it, so the token is allowed
-            if entry is not None:
-                assert seq.logprobs is not None  # the sampler gives entries only to requests that ask for them
-                seq.logprobs.append(entry)
-            reason = check_stop(seq, tok)
+            reason = self._took(seq, tok, entry, check_stop)
             if reason is not None:
                 finished.append((seq, reason))
         # A parent that sampled its first token has just computed its prompt: its choices fork now,
@@ -221,6 +211,16 @@ class Scheduler:
         for seq, reason in finished:
             self.finish(seq, reason)
         return [seq for seq, _ in finished]
+
+    @staticmethod
+    def _took(seq: Sequence, tok: int, entry: TokenLogprobs | None, check_stop: StopCheck) -> str | None:
+        """A sampled token now in ``seq.token_ids``: its grammar and logprobs follow it; the stop check's verdict."""
+        if seq.grammar is not None:
+            seq.grammar.accept(tok)  # the sampler masked the logits by it, so the token is allowed
+        if entry is not None:
+            assert seq.logprobs is not None  # the sampler gives entries only to requests that ask for them
+            seq.logprobs.append(entry)
+        return check_stop(seq, tok)
 
     def _count_computed(self, out: SchedulerOutput, *, skip_finished: bool) -> None:
         """Count step ``out``'s tokens as computed and publish the blocks it filled to the prefix
