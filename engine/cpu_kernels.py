@@ -1,7 +1,7 @@
 """The CPU kernels, in C++, built once on first use with torch's cpp_extension and cached.
 
-- ``paged_decode``: decode attention read straight from the paged KV pool
-  (used by ``batchery.engine.attention.cpu_paged``);
+- ``paged_decode``: decode attention read straight from the paged KV pool, and ``store_kv``: the step's
+  K/V written into it (both used by ``batchery.engine.attention.cpu_paged``);
 - ``linear_t``: an fp32 linear over a pre-transposed weight, and ``linear_bf16`` (with
   ``pack_bf16``): a bf16 linear for CPUs with AVX512-BF16 (both used by ``batchery.engine.fast_linear``).
 
@@ -26,13 +26,14 @@ from pathlib import Path
 
 log = logging.getLogger("batchery.engine.kernels")
 
-NAME = "batchery_cpu_kernels_v10"  # bump when the source changes (the build cache is keyed by it)
+NAME = "batchery_cpu_kernels_v11"  # bump when the source changes (the build cache is keyed by it)
 
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <immintrin.h>
 #include <vector>
 
@@ -441,9 +442,10 @@ static inline void store16(float* p, vf16 v) { *reinterpret_cast<vf16u*>(p) = v;
 // out float [*, N].
 struct TileF32 {
   using X = float;
+  using O = float;  // the output's element type (bias: added by the caller, never passed here)
   template <int MB, int NV>
   static inline void run(const float* __restrict x, const float* __restrict w, float* __restrict out,
-                         int64_t K, int64_t ldw, int64_t N, int64_t n0) {
+                         int64_t K, int64_t ldw, int64_t N, int64_t n0, const float* /*bias*/) {
     vf16 acc[MB][NV];
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i)
@@ -468,15 +470,16 @@ struct TileF32 {
 };
 
 template <typename Tile, int NV>
-static inline void tile_rows(int64_t mb, const typename Tile::X* x, const typename Tile::X* w, float* out,
-                             int64_t kl, int64_t ldw, int64_t N, int64_t n0) {
+static inline void tile_rows(int64_t mb, const typename Tile::X* x, const typename Tile::X* w,
+                             typename Tile::O* out, int64_t kl, int64_t ldw, int64_t N, int64_t n0,
+                             const float* bias) {
   switch (mb) {
-    case 6: Tile::template run<6, NV>(x, w, out, kl, ldw, N, n0); break;
-    case 5: Tile::template run<5, NV>(x, w, out, kl, ldw, N, n0); break;
-    case 4: Tile::template run<4, NV>(x, w, out, kl, ldw, N, n0); break;
-    case 3: Tile::template run<3, NV>(x, w, out, kl, ldw, N, n0); break;
-    case 2: Tile::template run<2, NV>(x, w, out, kl, ldw, N, n0); break;
-    default: Tile::template run<1, NV>(x, w, out, kl, ldw, N, n0);
+    case 6: Tile::template run<6, NV>(x, w, out, kl, ldw, N, n0, bias); break;
+    case 5: Tile::template run<5, NV>(x, w, out, kl, ldw, N, n0, bias); break;
+    case 4: Tile::template run<4, NV>(x, w, out, kl, ldw, N, n0, bias); break;
+    case 3: Tile::template run<3, NV>(x, w, out, kl, ldw, N, n0, bias); break;
+    case 2: Tile::template run<2, NV>(x, w, out, kl, ldw, N, n0, bias); break;
+    default: Tile::template run<1, NV>(x, w, out, kl, ldw, N, n0, bias);
   }
 }
 
@@ -485,22 +488,22 @@ static inline void tile_rows(int64_t mb, const typename Tile::X* x, const typena
 // contiguous, which wide layers (an LM head: N in the tens of thousands) need. Read with a stride of N, every
 // k row of a panel is on its own page; contiguous, the panel streams (2-2.5x at 8-64 rows on the AMD VM).
 template <typename Tile>
-static void tiled_linear(const typename Tile::X* x, const typename Tile::X* w, float* out, int64_t M, int64_t kl,
-                         int64_t N, bool panels = false) {
+static void tiled_linear(const typename Tile::X* x, const typename Tile::X* w, typename Tile::O* out, int64_t M,
+                         int64_t kl, int64_t N, bool panels = false, const float* bias = nullptr) {
   const int64_t npanels = (N + 63) / 64, mtiles = (M + 5) / 6;
   at::parallel_for(0, npanels * mtiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t p = t / mtiles, mt = t % mtiles;
       const int64_t n0 = p * 64, m0 = mt * 6, mb = M - m0 < 6 ? M - m0 : 6;
       const auto* xp = x + m0 * kl;
-      float* op = out + m0 * N;
+      auto* op = out + m0 * N;
       const auto* wp = panels ? w + p * kl * 64 : w + n0;
       const int64_t ldw = panels ? 64 : N;
       switch ((N - n0) >= 64 ? 4 : (N - n0) / 16) {
-        case 4: tile_rows<Tile, 4>(mb, xp, wp, op, kl, ldw, N, n0); break;
-        case 3: tile_rows<Tile, 3>(mb, xp, wp, op, kl, ldw, N, n0); break;
-        case 2: tile_rows<Tile, 2>(mb, xp, wp, op, kl, ldw, N, n0); break;
-        default: tile_rows<Tile, 1>(mb, xp, wp, op, kl, ldw, N, n0);
+        case 4: tile_rows<Tile, 4>(mb, xp, wp, op, kl, ldw, N, n0, bias); break;
+        case 3: tile_rows<Tile, 3>(mb, xp, wp, op, kl, ldw, N, n0, bias); break;
+        case 2: tile_rows<Tile, 2>(mb, xp, wp, op, kl, ldw, N, n0, bias); break;
+        default: tile_rows<Tile, 1>(mb, xp, wp, op, kl, ldw, N, n0, bias);
       }
     }
   });
@@ -550,6 +553,46 @@ at::Tensor linear_panels(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<a
   return out.view(xs);
 }
 
+// ---- K/V store ----------------------------------------------------------------------------------
+// k_cache/v_cache [num_blocks, block_size, Hkv, D] (contiguous) <- key/value [T, Hkv, D] at slots [T] (long;
+// a negative slot is padding, skipped). One contiguous row (Hkv * D elements) per token, copied in parallel:
+// index_copy_ on a bf16 pool took 0.1-0.7 ms per layer and call on a 1024-token step (2-core AMD EPYC).
+void store_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.dim() == 4,
+              "store_kv: the caches must be contiguous [num_blocks, block_size, Hkv, D] tensors of one shape");
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.size(1) == k_cache.size(2) &&
+                  key.size(2) == k_cache.size(3),
+              "store_kv: key and value must be [T, Hkv, D] with the caches' Hkv and D");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "store_kv: key, value and the caches must have one dtype");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.size(0) == key.size(0) &&
+                  slots.is_contiguous(),
+              "store_kv: slots must be a contiguous long [T] tensor");
+  const int64_t row = key.size(1) * key.size(2), T = key.size(0);
+  const int64_t nslots = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
+                  value.stride(1) == value.size(2),
+              "store_kv: each token's [Hkv, D] rows of key and value must be contiguous");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sl[t] < nslots, "store_kv: slot ", sl[t], " is beyond the pool's ", nslots, " slots");
+  const int64_t es = key.element_size(), bytes = row * es;
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t ks = key.stride(0) * es, vs = value.stride(0) * es;
+  at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      if (sl[t] < 0) continue;
+      std::memcpy(kc + sl[t] * bytes, kp + t * ks, bytes);
+      std::memcpy(vc + sl[t] * bytes, vp + t * vs, bytes);
+    }
+  });
+}
+
 // ---- bf16 linear (AVX512-BF16) -----------------------------------------------------------------
 // On CPUs with AVX512-BF16 and a compiler that targets it (-march=native); elsewhere
 // has_bf16_linear() is false and torch (oneDNN) keeps every bf16 linear.
@@ -557,11 +600,21 @@ at::Tensor linear_panels(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<a
 #ifdef __AVX512BF16__
 // y[i, n] = sum_k x[i, k] w[n, k]; wp is the weight packed as uint32 [K/2, N]: (w[n][2k], w[n][2k+1]).
 // Same 6 x 64 register tile as the fp32 kernel; vdpbf16ps multiplies a pair of k per lane.
+// fp32 -> bf16 as torch's vectorized CPU conversion rounds (to nearest, ties to even; a NaN becomes 0xFFFF), 16 lanes
+static inline __m256i bf16_round16(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0xFFFF));
+  return _mm512_cvtepi32_epi16(r);
+}
+
 struct TileBF16 {
   using X = uint32_t;  // a pair of bf16
+  using O = uint16_t;  // bf16 bits: the fp32 sums (+ bias) are rounded once, as out.to(bf16) would round them
   template <int MB, int NV>
-  static inline void run(const uint32_t* __restrict x, const uint32_t* __restrict w, float* __restrict out,
-                         int64_t K2, int64_t ldw, int64_t N, int64_t n0) {
+  static inline void run(const uint32_t* __restrict x, const uint32_t* __restrict w, uint16_t* __restrict out,
+                         int64_t K2, int64_t ldw, int64_t N, int64_t n0, const float* bias) {
     __m512 acc[MB][NV];
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i)
@@ -578,10 +631,19 @@ struct TileBF16 {
         for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], (__m512bh)xb, (__m512bh)wv[v]);
       }
     }
+    if (bias != nullptr) {
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) {
+        const __m512 bv = _mm512_loadu_ps(bias + n0 + 16 * v);
+#pragma GCC unroll 8
+        for (int i = 0; i < MB; ++i) acc[i][v] = _mm512_add_ps(acc[i][v], bv);
+      }
+    }
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 8
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + i * N + n0 + 16 * v, acc[i][v]);
+      for (int v = 0; v < NV; ++v)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * N + n0 + 16 * v), bf16_round16(acc[i][v]));
   }
 };
 #endif
@@ -617,12 +679,18 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at:
   auto xs = x.sizes().vec();
   auto xf = x.reshape({-1, K}).contiguous();
   const int64_t M = xf.size(0);
-  auto out = at::empty({M, N}, xf.options().dtype(at::kFloat));
+  at::Tensor bias_f;  // fp32, added to the sums before they are rounded (as out.add_(bias) on fp32 sums did)
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "linear_bf16: the bias must have out_features elements");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  auto out = at::empty({M, N}, xf.options());  // bf16, written by the tiles
   tiled_linear<TileBF16>(reinterpret_cast<const uint32_t*>(xf.data_ptr()),
-                         reinterpret_cast<const uint32_t*>(wp.data_ptr()), out.data_ptr<float>(), M, K2, N, true);
-  if (bias.has_value() && bias->defined()) out.add_(*bias);
+                         reinterpret_cast<const uint32_t*>(wp.data_ptr()),
+                         reinterpret_cast<uint16_t*>(out.data_ptr()), M, K2, N, true,
+                         bias_f.defined() ? bias_f.data_ptr<float>() : nullptr);
   xs.back() = N;
-  return out.to(at::kBFloat16).view(xs);
+  return out.view(xs);
 #else
   TORCH_CHECK(false, "linear_bf16: built without AVX512-BF16");
   return x;
@@ -632,6 +700,7 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at:
 
 _FUNCTIONS = [
     "paged_decode",
+    "store_kv",
     "linear_t",
     "pack_panels",
     "linear_panels",

@@ -159,6 +159,69 @@ def test_fast_linear_bf16_matches_torch(rows, bias):
     assert (got.float() - want).abs().max() <= want.abs().max() * 2**-6
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_bf16_rounds_its_sums_as_torch_does(bias):
+    """The tiles write bf16 themselves: each fp32 sum (+ bias) must round exactly as ``.to(torch.bfloat16)``
+    rounds it (to nearest, ties to even; a NaN as torch's vectorized conversion writes it). Inputs with two nonzero terms per row make every sum exact
+    in fp32, so the expected output is known bit for bit; ties and values between bf16 steps are frequent."""
+    kernel = cpu_paged.load()
+    if not kernel.has_bf16_linear():
+        pytest.skip("this CPU (or compiler) has no AVX512-BF16: bf16 linears stay on torch")
+    g = torch.Generator().manual_seed(1)
+    n, k, rows = 80, 64, 13
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    w[5, 7] = float("nan")
+    x = torch.zeros(rows, k, dtype=torch.bfloat16)
+    cols = torch.randint(0, k, (rows, 2), generator=g)
+    cols[:, 1] = (cols[:, 0] + 1 + torch.randint(0, k - 1, (rows,), generator=g)) % k  # two distinct columns
+    x[torch.arange(rows), cols[:, 0]] = 1.0
+    x[torch.arange(rows), cols[:, 1]] = 2.0**-9  # far below 1 ulp of the first term: rounding decides
+    x[0, 7] = 1.0  # row 0 reads the NaN weight in output 5
+    b = (torch.randn(n, generator=g) * 2.0**-10).to(torch.bfloat16) if bias else None
+    exact = x.float() @ w.float().t()
+    if b is not None:
+        exact = exact + b.float()
+    want = exact.to(torch.bfloat16)
+    got = kernel.linear_bf16(x, kernel.pack_bf16(w), n, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    assert torch.isnan(got[0, 5]) and got[0, 5].view(torch.int16).item() == want[0, 5].view(torch.int16).item()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert (exact.to(torch.bfloat16).float() != exact).sum() > rows * n // 4  # the case really rounds
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_matches_index_copy_and_skips_padding(dtype):
+    """The C++ K/V store writes what ``torch_backend.store_kvcache`` (index_copy_) writes, skips slot -1,
+    refuses a slot beyond the pool, and leaves every other slot as it was."""
+    g = torch.Generator().manual_seed(2)
+    kc = torch.randn(9, 4, 3, 16, generator=g).to(dtype)
+    vc = torch.randn(9, 4, 3, 16, generator=g).to(dtype)
+    slots = torch.randperm(36, generator=g)[:20]
+    key = torch.randn(20, 3, 16, generator=g).to(dtype)
+    value = torch.randn(20, 3, 16, generator=g).to(dtype)
+    want_k, want_v = kc.clone(), vc.clone()
+    torch_backend.store_kvcache(key, value, want_k, want_v, slots)
+    got_k, got_v = kc.clone(), vc.clone()
+    cpu_paged.store_kv(key, value, got_k, got_v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    # token-major views of [1, Hkv, T, D] projections, as the attention layers pass them
+    kt = key.transpose(0, 1).contiguous().unsqueeze(0)[0].transpose(0, 1)
+    got_k2, got_v2 = kc.clone(), vc.clone()
+    cpu_paged.store_kv(kt, value, got_k2, got_v2, slots)
+    assert torch.equal(got_k2, want_k)
+    padded = slots.clone()
+    padded[3] = -1
+    got_k3, got_v3 = kc.clone(), vc.clone()
+    cpu_paged.store_kv(key, value, got_k3, got_v3, padded)
+    s3 = int(slots[3])
+    assert torch.equal(got_k3.view(36, 3, 16)[s3], kc.view(36, 3, 16)[s3])  # padding wrote nothing
+    keep = torch.ones(36, dtype=torch.bool)
+    keep[s3] = False
+    assert torch.equal(got_k3.view(36, 3, 16)[keep], want_k.view(36, 3, 16)[keep])
+    with pytest.raises(RuntimeError, match="beyond the pool"):
+        cpu_paged.load().store_kv(key, value, kc.clone(), vc.clone(), slots + 36)
+
+
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_fast_linear_wide_fp32_reads_panels_and_keeps_a_tied_head_tied(rows):
     """An LM head (WIDE outputs or more) is read in 64-column panels; its out_features need not be a multiple

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
-from batchery.engine.attention import torch_backend
+from batchery.engine.attention import cpu_paged, torch_backend
 from batchery.engine.attention.metadata import get_metadata
 
 ATTN_IMPLEMENTATION = "batchery_paged"
@@ -48,8 +48,11 @@ def paged_attention_forward(
         from batchery.engine.attention import triton_backend
 
         out = triton_backend.paged_attention(q, k, v, k_cache, v_cache, md, scale, sliding_window, softcap)
-    else:  # "torch" reference, or "cpu" (the reference with the C++ decode kernel)
-        torch_backend.store_kvcache(k, v, k_cache, v_cache, md.slot_mapping)
+    else:  # "torch" reference, or "cpu" (the reference with the C++ store and decode/prefill kernels)
+        if md.backend == "cpu":
+            cpu_paged.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        else:
+            torch_backend.store_kvcache(k, v, k_cache, v_cache, md.slot_mapping)
         out = torch_backend.paged_attention(q, k, v, k_cache, v_cache, md, scale, sliding_window, softcap)
     return out.unsqueeze(0), None  # [1, T, H, D]
 

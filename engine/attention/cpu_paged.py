@@ -3,7 +3,8 @@
 The torch reference has to gather every sequence's KV blocks into a padded copy before SDPA can
 read them; at decode time that copy is most of the memory traffic of a step. This kernel reads
 K and V straight from the block pool, once per step, in parallel over sequences (and KV heads when
-there are few sequences). It is compiled with the other CPU kernels (``batchery.engine.cpu_kernels``); if
+there are few sequences); ``store_kv`` writes the step's K/V into the pool, one row per token, in parallel.
+It is compiled with the other CPU kernels (``batchery.engine.cpu_kernels``); if
 the build fails, the torch reference path is used instead."""
 
 from __future__ import annotations
@@ -41,3 +42,27 @@ def paged_decode(
     return kernels.paged_decode(
         q, k_cache, v_cache, block_tables, context_lens, float(scale), int(sliding_window or 0), float(softcap or 0.0)
     )
+
+
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """``torch_backend.store_kvcache`` in C++: key/value [T, Hkv, D] into the caches at ``slot_mapping``; a
+    negative slot is skipped. Falls back to the torch store when the tensors are not laid out for the kernel."""
+    kernels = load()
+    if (
+        kernels is None
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.is_contiguous())
+        or key.dtype != k_cache.dtype
+        or value.dtype != k_cache.dtype
+        or slot_mapping.dtype != torch.long
+        or key.stride(-1) != 1
+        or value.stride(-1) != 1
+        or key.stride(-2) != key.shape[-1]
+        or value.stride(-2) != value.shape[-1]
+    ):
+        from batchery.engine.attention import torch_backend
+
+        torch_backend.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+        return
+    kernels.store_kv(key, value, k_cache, v_cache, slot_mapping)
