@@ -162,8 +162,9 @@ def test_fast_linear_bf16_matches_torch(rows, bias):
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_bf16_rounds_its_sums_as_torch_does(bias):
     """The tiles write bf16 themselves: each fp32 sum (+ bias) must round exactly as ``.to(torch.bfloat16)``
-    rounds it (to nearest, ties to even; a NaN as torch's vectorized conversion writes it). Inputs with two nonzero terms per row make every sum exact
-    in fp32, so the expected output is known bit for bit; ties and values between bf16 steps are frequent."""
+    rounds it (to nearest, ties to even; a NaN as torch's vectorized conversion writes it). Inputs with two
+    nonzero terms per row make every sum exact in fp32, so the expected output is known bit for bit; ties and
+    values between bf16 steps are frequent."""
     kernel = cpu_paged.load()
     if not kernel.has_bf16_linear():
         pytest.skip("this CPU (or compiler) has no AVX512-BF16: bf16 linears stay on torch")
