@@ -203,22 +203,25 @@ def test_store_kv_matches_index_copy_and_skips_padding(dtype):
     want_k, want_v = kc.clone(), vc.clone()
     torch_backend.store_kvcache(key, value, want_k, want_v, slots)
     got_k, got_v = kc.clone(), vc.clone()
-    cpu_paged.store_kv(key, value, got_k, got_v, slots)
+    assert cpu_paged.store_kv(key, value, got_k, got_v, slots)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-    # token-major views of [1, Hkv, T, D] projections, as the attention layers pass them
-    kt = key.transpose(0, 1).contiguous().unsqueeze(0)[0].transpose(0, 1)
+    # as the attention layers pass it: a k_proj output [1, T, Hkv * D] seen as [1, Hkv, T, D], back to [T, Hkv, D]
+    kt = key.reshape(1, 20, 48).view(1, 20, 3, 16).transpose(1, 2)[0].transpose(0, 1)
     got_k2, got_v2 = kc.clone(), vc.clone()
-    cpu_paged.store_kv(kt, value, got_k2, got_v2, slots)
+    assert cpu_paged.store_kv(kt, value, got_k2, got_v2, slots)
     assert torch.equal(got_k2, want_k)
+    head_major = key.transpose(0, 1).contiguous().transpose(0, 1)  # a token's rows apart: torch stores it
+    assert not cpu_paged.store_kv(head_major, value, kc.clone(), vc.clone(), slots)
     padded = slots.clone()
     padded[3] = -1
     got_k3, got_v3 = kc.clone(), vc.clone()
-    cpu_paged.store_kv(key, value, got_k3, got_v3, padded)
+    assert cpu_paged.store_kv(key, value, got_k3, got_v3, padded)
     s3 = int(slots[3])
     assert torch.equal(got_k3.view(36, 3, 16)[s3], kc.view(36, 3, 16)[s3])  # padding wrote nothing
     keep = torch.ones(36, dtype=torch.bool)
     keep[s3] = False
     assert torch.equal(got_k3.view(36, 3, 16)[keep], want_k.view(36, 3, 16)[keep])
+    assert not cpu_paged.store_kv(key, value, kc[:, :2], vc[:, :2], slots)  # a strided pool: torch stores it
     with pytest.raises(RuntimeError, match="beyond the pool"):
         cpu_paged.load().store_kv(key, value, kc.clone(), vc.clone(), slots + 36)
 

@@ -49,9 +49,7 @@ def paged_attention_forward(
 
         out = triton_backend.paged_attention(q, k, v, k_cache, v_cache, md, scale, sliding_window, softcap)
     else:  # "torch" reference, or "cpu" (the reference with the C++ store and decode/prefill kernels)
-        if md.backend == "cpu":
-            cpu_paged.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
-        else:
+        if md.backend != "cpu" or not cpu_paged.store_kv(k, v, k_cache, v_cache, md.slot_mapping):
             torch_backend.store_kvcache(k, v, k_cache, v_cache, md.slot_mapping)
         out = torch_backend.paged_attention(q, k, v, k_cache, v_cache, md, scale, sliding_window, softcap)
     return out.unsqueeze(0), None  # [1, T, H, D]

@@ -46,9 +46,10 @@ def paged_decode(
 
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """``torch_backend.store_kvcache`` in C++: key/value [T, Hkv, D] into the caches at ``slot_mapping``; a
-    negative slot is skipped. Falls back to the torch store when the tensors are not laid out for the kernel."""
+) -> bool:
+    """``torch_backend.store_kvcache`` in C++: key/value [T, Hkv, D] into the caches at ``slot_mapping`` (a
+    negative slot is skipped). False, with nothing written, when the tensors are not laid out for the kernel
+    (the caller stores them through torch)."""
     kernels = load()
     if (
         kernels is None
@@ -61,8 +62,6 @@ def store_kv(
         or key.stride(-2) != key.shape[-1]
         or value.stride(-2) != value.shape[-1]
     ):
-        from batchery.engine.attention import torch_backend
-
-        torch_backend.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
-        return
+        return False
     kernels.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    return True
