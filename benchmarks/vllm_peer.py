@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -205,14 +206,20 @@ def run_vllm_generate(
         log = Path(tmp) / "vllm.log"
         t0 = time.perf_counter()
         with open(log, "wb") as out:
-            proc = subprocess.run(
+            # a session of its own, so that vLLM's engine-core process, still spinning its OpenMP threads when
+            # the main one has exited, is ended before anything else is timed (``_end_group``)
+            proc = subprocess.Popen(
                 [str(py), str(script), str(spec_path)],
                 env=vllm_env(threads, kv_gib),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=tmp,
-                timeout=timeout,
+                start_new_session=True,
             )
+            try:
+                proc.wait(timeout=timeout)
+            finally:
+                _end_group(proc)
         wall = time.perf_counter() - t0
         if proc.returncode != 0 or not result.exists():
             kept = Path(tempfile.mkstemp(prefix="vllm-peer-", suffix=".log")[1])
@@ -220,6 +227,24 @@ def run_vllm_generate(
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
             raise RuntimeError(f"vLLM exited with {proc.returncode} (whole log in {kept}):\n{tail}")
         return json.loads(result.read_text()) | {"wall_s": wall}
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """Kill what is left of ``proc``'s process group (its session) and wait, up to 30 s, until none is left."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.1)
 
 
 # -- the least prompt work a prefix cache can do ---------------------------------------------------
