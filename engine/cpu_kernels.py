@@ -26,7 +26,7 @@ from pathlib import Path
 
 log = logging.getLogger("batchery.engine.kernels")
 
-NAME = "batchery_cpu_kernels_v11"  # bump when the source changes (the build cache is keyed by it)
+NAME = "batchery_cpu_kernels_v12"  # bump when the source changes (the build cache is keyed by it)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -35,6 +35,8 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
+#include <algorithm>
+#include <type_traits>
 #include <vector>
 
 // ---- paged decode attention ----------------------------------------------------------------
@@ -281,9 +283,57 @@ static inline void prefetch_rows(const T* base, const int64_t* rows, int64_t n, 
   for (int64_t j = 0; j < n; ++j) prefetch_block(base + rows[j], bytes);
 }
 
+#ifdef __AVX512BF16__
+// q . k for one bf16 row by vdpbf16ps: the query as stored (bf16 pairs) against the row as stored, the products
+// exact in fp32 and summed in fp32; the 16 partial sums as dot_row's
+template <int NB>
+static inline __m512 dot_row_bh(const __m512i* qb, const c10::BFloat16* __restrict k) {
+  __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qb[0], (__m512bh)_mm512_loadu_si512(k));
+#pragma GCC unroll 4
+  for (int v = 1; v < NB; ++v) a = _mm512_dpbf16_ps(a, (__m512bh)qb[v], (__m512bh)_mm512_loadu_si512(k + 32 * v));
+  return a;
+}
+#endif
+
+// acc[g] += sum_j pr[g][j] * V row j, for the GN query heads of one KV head: each V row is loaded (and, for bf16,
+// widened) once for all of them, their accumulators held in registers across the chunk's rows
+template <typename T, int NV, int GN>
+static inline void add_v_rows(float* __restrict acc, const float (*pr)[16], const T* __restrict vp,
+                              const int64_t* row, int64_t hoff, int nj) {
+  constexpr int D = NV * 16;
+  __m512 o[GN][NV];
+#pragma GCC unroll 4
+  for (int g = 0; g < GN; ++g)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) o[g][v] = _mm512_loadu_ps(acc + g * D + 16 * v);
+#pragma GCC unroll 2
+  for (int j = 0; j < nj; ++j) {
+    const T* __restrict vv = vp + row[j] + hoff;
+    __m512 x[NV];
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; v += 2) load32(vv + 16 * v, x[v], x[v + 1]);
+#pragma GCC unroll 4
+    for (int g = 0; g < GN; ++g) {
+      const __m512 pj = _mm512_set1_ps(pr[g][j]);
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) o[g][v] = _mm512_fmadd_ps(pj, x[v], o[g][v]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GN; ++g)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + g * D + 16 * v, o[g][v]);
+}
+
 template <typename T, int D>
 static void decode_avx512(const DecodeArgs<T>& args) {
   constexpr int NV = D / 16, CH = 16, PF = 32;  // PF: rows are prefetched this many tokens ahead
+  constexpr int GB = NV <= 4 ? 4 : 2;  // query heads whose V accumulators are held in registers together
+#ifdef __AVX512BF16__
+  constexpr bool kBh = std::is_same<T, c10::BFloat16>::value;  // scores by vdpbf16ps on the bf16 query
+#else
+  constexpr bool kBh = false;
+#endif
   // locals only in the loops, so the vector stores (which may alias anything) force no reloads
   const DecodeArgs<T> a = args;
   const int64_t H = a.H, G = a.G, bs = a.bs, maxb = a.maxb, tok_stride = a.tok_stride, blk_stride = a.blk_stride;
@@ -299,7 +349,7 @@ static void decode_avx512(const DecodeArgs<T>& args) {
     float* __restrict mx = mxbuf.data();
     float* __restrict sum = sumbuf.data();
     int64_t* __restrict rows = rowbuf.data();
-    alignas(64) float pr[CH];
+    alignas(64) float pr[GB][CH];
     DecodeTask t;
     for (int64_t idx = begin; idx < end; ++idx) {
       if (!decode_task(a, idx, t)) continue;
@@ -307,9 +357,10 @@ static void decode_avx512(const DecodeArgs<T>& args) {
       const int64_t hq0 = h0 * G;
       T* dst = a.op + (b * H + hq0) * D;
       const T* src = a.qp + (b * H + hq0) * D;
-      for (int64_t qi = 0; qi < nq; ++qi)
-        for (int64_t d = 0; d < D; ++d)
-          qf[qi * D + lane_of(kp, d)] = static_cast<float>(src[qi * D + d]) * a.fscale;
+      if (!kBh)
+        for (int64_t qi = 0; qi < nq; ++qi)
+          for (int64_t d = 0; d < D; ++d)
+            qf[qi * D + lane_of(kp, d)] = static_cast<float>(src[qi * D + d]) * a.fscale;
       std::fill(acc, acc + nq * D, 0.f);
       const int64_t* table = a.btp + b * maxb;
       for (int64_t p = 0, bi = start / bs, off = start % bs; p < len; ++p) {  // token rows, in order
@@ -327,58 +378,74 @@ static void decode_avx512(const DecodeArgs<T>& args) {
           prefetch_rows(vp, row + PF, ahead < CH ? ahead : CH, row_bytes);
         }
         const __mmask16 valid = nj == CH ? 0xFFFF : static_cast<__mmask16>((1u << nj) - 1);
-        for (int64_t qi = 0; qi < nq; ++qi) {
-          const int64_t hoff = (qi / G) * D;  // this query head's KV head, within the task's rows
-          __m512 qv[NV], s[CH];
-#pragma GCC unroll 8
-          for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qf + qi * D + 16 * v);
-          if (nj == CH) {
-#pragma GCC unroll 16
-            for (int j = 0; j < CH; ++j) s[j] = dot_row<T, NV>(qv, kp + row[j] + hoff);
-          } else {
-            for (int j = 0; j < CH; ++j) s[j] = j < nj ? dot_row<T, NV>(qv, kp + row[j] + hoff) : _mm512_setzero_ps();
-          }
-          __m512 sc = hsum16(s);
-          if (cap > 0.f) {
-            _mm512_store_ps(pr, sc);
-            for (int j = 0; j < nj; ++j) pr[j] = cap * std::tanh(pr[j] / cap);
-            sc = _mm512_load_ps(pr);
-          }
-          float* __restrict a = acc + qi * D;
-          const float cmax = _mm512_mask_reduce_max_ps(valid, sc);
-          float m = cmax;
-          if (c == 0) {
-            sum[qi] = 0.f;
-          } else if (cmax > mx[qi]) {  // a new maximum: rescale what was accumulated so far
-            const float r = std::exp(mx[qi] - cmax);
-            sum[qi] *= r;
-#pragma GCC unroll 8
-            for (int v = 0; v < NV; ++v)
-              _mm512_storeu_ps(a + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * v), _mm512_set1_ps(r)));
-          } else {
-            m = mx[qi];
-          }
-          mx[qi] = m;
-          const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m))));
-          sum[qi] += _mm512_reduce_add_ps(p);
-          _mm512_store_ps(pr, p);
-          __m512 o[NV];
-#pragma GCC unroll 8
-          for (int v = 0; v < NV; ++v) o[v] = _mm512_loadu_ps(a + 16 * v);
+        // the query heads of each KV head in groups of up to GB: their scores and softmax terms, then one pass
+        // over the chunk's V rows for the whole group
+        for (int64_t qg = 0, gn = 0; qg < nq; qg += gn) {
+          gn = std::min<int64_t>({GB, nq - qg, (qg / G + 1) * G - qg});  // a group stays within one KV head
+          const int64_t hoff = (qg / G) * D;  // this group's KV head, within the task's rows
+          for (int g = 0; g < gn; ++g) {
+            const int64_t qi = qg + g;
+            __m512 s[CH];
+#ifdef __AVX512BF16__
+            if constexpr (kBh) {
+              constexpr int NB = D / 32;
+              __m512i qb[NB];
 #pragma GCC unroll 4
-          for (int j = 0; j < nj; ++j) {
-            const __m512 pj = _mm512_set1_ps(pr[j]);
-            const T* __restrict vv = vp + row[j] + hoff;
+              for (int v = 0; v < NB; ++v) qb[v] = _mm512_loadu_si512(src + qi * D + 32 * v);
+              const c10::BFloat16* kb = reinterpret_cast<const c10::BFloat16*>(kp) + hoff;
+              if (nj == CH) {
+#pragma GCC unroll 16
+                for (int j = 0; j < CH; ++j) s[j] = dot_row_bh<NB>(qb, kb + row[j]);
+              } else {
+                for (int j = 0; j < CH; ++j) s[j] = j < nj ? dot_row_bh<NB>(qb, kb + row[j]) : _mm512_setzero_ps();
+              }
+            } else
+#endif
+            {
+              __m512 qv[NV];
 #pragma GCC unroll 8
-            for (int v = 0; v < NV; v += 2) {
-              __m512 v0, v1;
-              load32(vv + 16 * v, v0, v1);
-              o[v] = _mm512_fmadd_ps(pj, v0, o[v]);
-              o[v + 1] = _mm512_fmadd_ps(pj, v1, o[v + 1]);
+              for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qf + qi * D + 16 * v);
+              if (nj == CH) {
+#pragma GCC unroll 16
+                for (int j = 0; j < CH; ++j) s[j] = dot_row<T, NV>(qv, kp + row[j] + hoff);
+              } else {
+                for (int j = 0; j < CH; ++j)
+                  s[j] = j < nj ? dot_row<T, NV>(qv, kp + row[j] + hoff) : _mm512_setzero_ps();
+              }
             }
-          }
+            __m512 sc = hsum16(s);
+            if (kBh) sc = _mm512_mul_ps(sc, _mm512_set1_ps(a.fscale));
+            if (cap > 0.f) {
+              _mm512_store_ps(pr[g], sc);
+              for (int j = 0; j < nj; ++j) pr[g][j] = cap * std::tanh(pr[g][j] / cap);
+              sc = _mm512_load_ps(pr[g]);
+            }
+            float* __restrict ai = acc + qi * D;
+            const float cmax = _mm512_mask_reduce_max_ps(valid, sc);
+            float m = cmax;
+            if (c == 0) {
+              sum[qi] = 0.f;
+            } else if (cmax > mx[qi]) {  // a new maximum: rescale what was accumulated so far
+              const float r = std::exp(mx[qi] - cmax);
+              sum[qi] *= r;
 #pragma GCC unroll 8
-          for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a + 16 * v, o[v]);
+              for (int v = 0; v < NV; ++v)
+                _mm512_storeu_ps(ai + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(ai + 16 * v), _mm512_set1_ps(r)));
+            } else {
+              m = mx[qi];
+            }
+            mx[qi] = m;
+            const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m))));
+            sum[qi] += _mm512_reduce_add_ps(p);
+            _mm512_store_ps(pr[g], p);
+          }
+          float* ag = acc + qg * D;
+          switch (gn) {
+            case 1: add_v_rows<T, NV, 1>(ag, pr, vp, row, hoff, nj); break;
+            case 2: add_v_rows<T, NV, 2>(ag, pr, vp, row, hoff, nj); break;
+            case 3: if constexpr (GB >= 3) add_v_rows<T, NV, 3>(ag, pr, vp, row, hoff, nj); break;
+            default: if constexpr (GB >= 4) add_v_rows<T, NV, 4>(ag, pr, vp, row, hoff, nj); break;
+          }
         }
       }
       for (int64_t qi = 0; qi < nq; ++qi) {

@@ -36,7 +36,8 @@ def _case(dtype, block_size, hkv, groups, head_dim, seed=0, ctx=None):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize(
-    "block_size,hkv,groups,head_dim", [(16, 3, 3, 64), (5, 3, 3, 64), (8, 2, 4, 128), (4, 2, 1, 32), (8, 1, 4, 16)]
+    "block_size,hkv,groups,head_dim",
+    [(16, 3, 3, 64), (5, 3, 3, 64), (8, 2, 4, 128), (4, 2, 1, 32), (8, 1, 4, 16), (8, 1, 5, 64), (3, 2, 3, 128)],
 )
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 3.0), (9, 2.0)])
 def test_cpu_decode_matches_reference(dtype, tol, block_size, hkv, groups, head_dim, window, softcap):
