@@ -207,8 +207,14 @@ static void decode_impl(const DecodeArgs<T>& a) {
 // ---- paged decode attention, AVX512 (head_dim 64 / 128) ------------------------------------------
 // The same one-pass online softmax, vectorised over 16 tokens at a time: for each query head, the
 // 16 dot products accumulate in 16 vectors and are summed across lanes together (hsum16), the
-// probabilities come from a vector exp, and V rows are added with one broadcast per token. The
-// tokens are walked in the sequence's own order across its blocks, so any block size works.
+// probabilities come from a vector exp. bf16 caches on CPUs with AVX512-BF16 take the dot products by
+// vdpbf16ps on the query as stored (exact products, fp32 sums; the scale is applied to the scores), two
+// instructions a row at head_dim 64 instead of ten. The V rows of a chunk are loaded (and widened) once per
+// KV head and added to all of its query heads' accumulators at once (up to 4 heads, held in registers).
+// The tokens are walked in the sequence's own order across its blocks, so any block size works; the next
+// task's first rows are prefetched while a task runs. On the 2-core Zen 5 EPYC, 80 sequences of 230 tokens,
+// SmolLM2's 9 query and 3 KV heads of 64, bf16, one layer's 14 MB timed again and again (from L3): 0.72-0.87 ms
+// before, 0.20-0.25 ms now; inside an engine step (from DRAM) 1.16 ms a layer before, 0.63 ms now, memory-bound.
 
 // 32 elements of a row as two float vectors, in the kernel's element order. float: as they are.
 // bf16: one load, split without shuffles into the even elements (shifted up 16 bits) and the odd ones
@@ -325,6 +331,25 @@ static inline void add_v_rows(float* __restrict acc, const float (*pr)[16], cons
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + g * D + 16 * v, o[g][v]);
 }
 
+// The first n token rows of task idx into L2 (K and V), so that a task does not begin on cold misses: issued while the
+// task before it runs (at 230 tokens a sequence, its first rows were a large part of the time from DRAM)
+template <typename T>
+static inline void prefetch_task_start(const DecodeArgs<T>& a, int64_t idx, int64_t n, int64_t row_bytes) {
+  const int64_t b = idx / a.groups, h0 = (idx % a.groups) * a.hper, ctx = a.cp[b];
+  const int64_t start = (a.window > 0 && ctx - a.window > 0) ? ctx - a.window : 0;
+  const int64_t stop = std::min(ctx, start + n);
+  const int64_t* table = a.btp + b * a.maxb;
+  for (int64_t p = start; p < stop; ++p) {
+    const int64_t off = table[p / a.bs] * a.blk_stride + (p % a.bs) * a.tok_stride + h0 * a.D;
+    const char* kc = reinterpret_cast<const char*>(a.kp + off);
+    const char* vc = reinterpret_cast<const char*>(a.vp + off);
+    for (int64_t o = 0; o < row_bytes; o += 64) {
+      __builtin_prefetch(kc + o, 0, 2);
+      __builtin_prefetch(vc + o, 0, 2);
+    }
+  }
+}
+
 template <typename T, int D>
 static void decode_avx512(const DecodeArgs<T>& args) {
   constexpr int NV = D / 16, CH = 16, PF = 32;  // PF: rows are prefetched this many tokens ahead
@@ -369,6 +394,7 @@ static void decode_avx512(const DecodeArgs<T>& args) {
       }
       prefetch_rows(kp, rows, len < PF ? len : PF, row_bytes);
       prefetch_rows(vp, rows, len < PF ? len : PF, row_bytes);
+      if (idx + 1 < end) prefetch_task_start(a, idx + 1, PF, row_bytes);
       for (int64_t c = 0; c < len; c += CH) {
         const int nj = len - c < CH ? static_cast<int>(len - c) : CH;
         const int64_t* row = rows + c;
