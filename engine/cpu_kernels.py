@@ -214,7 +214,8 @@ static void decode_impl(const DecodeArgs<T>& a) {
 // The tokens are walked in the sequence's own order across its blocks, so any block size works; the next
 // task's first rows are prefetched while a task runs. On the 2-core Zen 5 EPYC, 80 sequences of 230 tokens,
 // SmolLM2's 9 query and 3 KV heads of 64, bf16, one layer's 14 MB timed again and again (from L3): 0.72-0.87 ms
-// before, 0.20-0.25 ms now; inside an engine step (from DRAM) 1.16 ms a layer before, 0.63 ms now, memory-bound.
+// before, 0.20-0.25 ms now; a layer's attention in an engine step (from DRAM, the K/V store included): 1.16 ms
+// before, 0.68 ms now, memory-bound.
 
 // 32 elements of a row as two float vectors, in the kernel's element order. float: as they are.
 // bf16: one load, split without shuffles into the even elements (shifted up 16 bits) and the odd ones

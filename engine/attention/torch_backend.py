@@ -98,8 +98,13 @@ def paged_attention(
     softcap: float | None,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (already stored in the cache). Returns [T, H, D]."""
-    out = torch.empty_like(q)
     nd = md.num_decode_tokens
+    if nd == q.shape[0] and md.backend == "cpu" and not md.prefills:  # decodes only: the kernel's output as it is
+        assert md.decode_block_tables is not None and md.decode_context_lens is not None
+        return cpu_paged.paged_decode(
+            q, k_cache, v_cache, md.decode_block_tables, md.decode_context_lens, scale, sliding_window, softcap
+        )
+    out = torch.empty_like(q)
     if nd:
         bt, lens = md.decode_block_tables, md.decode_context_lens
         assert bt is not None and lens is not None  # set whenever there are decode tokens
