@@ -535,17 +535,24 @@ static inline void store16(float* p, vf16 v) { *reinterpret_cast<vf16u*>(p) = v;
 // with x [MB, kl], w the tile's first weight column, its k rows ldw elements apart (elements of type X),
 // out float [*, N].
 struct TileF32 {
+  static constexpr bool kStrided = true;  // reads a transposed weight (rows a stride of N apart) unless in panels
   using X = float;
   using O = float;  // the output's element type (bias: added by the caller, never passed here)
-  template <int MB, int NV>
+  // PF: the panel's k rows are read from memory for the first time (the first row tile of a panel, transposed
+  // weight): each is prefetched kPrefetchK rows ahead, since rows a stride of N apart defeat the hardware prefetcher
+  template <int MB, int NV, bool PF>
   static inline void run(const float* __restrict x, const float* __restrict w, float* __restrict out,
                          int64_t K, int64_t ldw, int64_t N, int64_t n0, const float* /*bias*/) {
+    constexpr int64_t kPrefetchK = 24;
     vf16 acc[MB][NV];
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 8
       for (int v = 0; v < NV; ++v) acc[i][v] = vf16{};
     for (int64_t k = 0; k < K; ++k, w += ldw) {
+      if (PF && k + kPrefetchK < K)
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) __builtin_prefetch(w + kPrefetchK * ldw + 16 * v);
       vf16 wv[NV];
 #pragma GCC unroll 8
       for (int v = 0; v < NV; ++v) wv[v] = load16(w + 16 * v);
@@ -563,17 +570,29 @@ struct TileF32 {
   }
 };
 
-template <typename Tile, int NV>
+template <typename Tile, int NV, bool PF>
 static inline void tile_rows(int64_t mb, const typename Tile::X* x, const typename Tile::X* w,
                              typename Tile::O* out, int64_t kl, int64_t ldw, int64_t N, int64_t n0,
                              const float* bias) {
   switch (mb) {
-    case 6: Tile::template run<6, NV>(x, w, out, kl, ldw, N, n0, bias); break;
-    case 5: Tile::template run<5, NV>(x, w, out, kl, ldw, N, n0, bias); break;
-    case 4: Tile::template run<4, NV>(x, w, out, kl, ldw, N, n0, bias); break;
-    case 3: Tile::template run<3, NV>(x, w, out, kl, ldw, N, n0, bias); break;
-    case 2: Tile::template run<2, NV>(x, w, out, kl, ldw, N, n0, bias); break;
-    default: Tile::template run<1, NV>(x, w, out, kl, ldw, N, n0, bias);
+    case 6: Tile::template run<6, NV, PF>(x, w, out, kl, ldw, N, n0, bias); break;
+    case 5: Tile::template run<5, NV, PF>(x, w, out, kl, ldw, N, n0, bias); break;
+    case 4: Tile::template run<4, NV, PF>(x, w, out, kl, ldw, N, n0, bias); break;
+    case 3: Tile::template run<3, NV, PF>(x, w, out, kl, ldw, N, n0, bias); break;
+    case 2: Tile::template run<2, NV, PF>(x, w, out, kl, ldw, N, n0, bias); break;
+    default: Tile::template run<1, NV, PF>(x, w, out, kl, ldw, N, n0, bias);
+  }
+}
+
+template <typename Tile, bool PF>
+static inline void tile_cols(int64_t mb, const typename Tile::X* x, const typename Tile::X* w,
+                             typename Tile::O* out, int64_t kl, int64_t ldw, int64_t N, int64_t n0,
+                             const float* bias) {
+  switch ((N - n0) >= 64 ? 4 : (N - n0) / 16) {
+    case 4: tile_rows<Tile, 4, PF>(mb, x, w, out, kl, ldw, N, n0, bias); break;
+    case 3: tile_rows<Tile, 3, PF>(mb, x, w, out, kl, ldw, N, n0, bias); break;
+    case 2: tile_rows<Tile, 2, PF>(mb, x, w, out, kl, ldw, N, n0, bias); break;
+    default: tile_rows<Tile, 1, PF>(mb, x, w, out, kl, ldw, N, n0, bias);
   }
 }
 
@@ -593,12 +612,11 @@ static void tiled_linear(const typename Tile::X* x, const typename Tile::X* w, t
       auto* op = out + m0 * N;
       const auto* wp = panels ? w + p * kl * 64 : w + n0;
       const int64_t ldw = panels ? 64 : N;
-      switch ((N - n0) >= 64 ? 4 : (N - n0) / 16) {
-        case 4: tile_rows<Tile, 4>(mb, xp, wp, op, kl, ldw, N, n0, bias); break;
-        case 3: tile_rows<Tile, 3>(mb, xp, wp, op, kl, ldw, N, n0, bias); break;
-        case 2: tile_rows<Tile, 2>(mb, xp, wp, op, kl, ldw, N, n0, bias); break;
-        default: tile_rows<Tile, 1>(mb, xp, wp, op, kl, ldw, N, n0, bias);
-      }
+      // a transposed weight's panel, first read by this thread: its rows prefetched (panels stream by themselves)
+      if (!panels && Tile::kStrided && (t == t0 || mt == 0))
+        tile_cols<Tile, true>(mb, xp, wp, op, kl, ldw, N, n0, bias);
+      else
+        tile_cols<Tile, false>(mb, xp, wp, op, kl, ldw, N, n0, bias);
     }
   });
 }
@@ -704,9 +722,10 @@ static inline __m256i bf16_round16(__m512 v) {
 }
 
 struct TileBF16 {
+  static constexpr bool kStrided = false;
   using X = uint32_t;  // a pair of bf16
   using O = uint16_t;  // bf16 bits: the fp32 sums (+ bias) are rounded once, as out.to(bf16) would round them
-  template <int MB, int NV>
+  template <int MB, int NV, bool /*PF: never, the weight is always in panels*/>
   static inline void run(const uint32_t* __restrict x, const uint32_t* __restrict w, uint16_t* __restrict out,
                          int64_t K2, int64_t ldw, int64_t N, int64_t n0, const float* bias) {
     __m512 acc[MB][NV];
