@@ -2,6 +2,7 @@
 
 - ``paged_decode``: decode attention read straight from the paged KV pool, and ``store_kv``: the step's
   K/V written into it (both used by ``batchery.engine.attention.cpu_paged``);
+- ``argmax_rows``: torch.argmax over the rows of a float or bf16 matrix, vectorized (the sampler's greedy rows);
 - ``linear_t``: an fp32 linear over a pre-transposed weight, and ``linear_bf16`` (with
   ``pack_bf16``): a bf16 linear for CPUs with AVX512-BF16 (both used by ``batchery.engine.fast_linear``).
 
@@ -35,6 +36,7 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
+#include <limits>
 #include <algorithm>
 #include <type_traits>
 #include <vector>
@@ -665,6 +667,83 @@ at::Tensor linear_panels(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<a
   return out.view(xs);
 }
 
+// ---- argmax over rows ---------------------------------------------------------------------------
+// out[i] = torch.argmax(x[i]) for x [B, V] float or bf16 (contiguous): the first index of the row's maximum, or of
+// its first NaN when it has one (torch counts NaN above everything). torch's CPU argmax compares one element at a
+// time: 1.35 ms for SmolLM2's greedy rows at 80 x 49,152 on the 2-core Zen 5 EPYC, where the row's max alone takes
+// a tenth of that. Here: a vector max (and NaN test, on the bits: -ffast-math folds float NaN tests away), then
+// the first index equal to it. Rows in parallel.
+static inline uint32_t argmax_bits(float v) { uint32_t u; std::memcpy(&u, &v, 4); return u; }
+static inline uint32_t argmax_bits(c10::BFloat16 v) { return static_cast<uint32_t>(v.x) << 16; }
+
+template <typename T>
+static int64_t argmax_row(const T* x, int64_t V) {
+  int64_t i = 0;
+  float m = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+#ifdef __AVX512F__
+  __m512 mv = _mm512_set1_ps(m);
+  __mmask16 nanm = 0;
+  for (; i + 16 <= V; i += 16) {
+    __m512i u;
+    if constexpr (std::is_same<T, float>::value)
+      u = _mm512_loadu_si512(x + i);
+    else
+      u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i))), 16);
+    nanm |= _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+    mv = _mm512_max_ps(mv, _mm512_castsi512_ps(u));
+  }
+  nan = nanm != 0;
+  m = _mm512_reduce_max_ps(mv);
+#endif
+  for (int64_t j = i; j < V; ++j) {
+    const uint32_t u = argmax_bits(x[j]);
+    float f;
+    std::memcpy(&f, &u, 4);
+    nan |= (u & 0x7FFFFFFFu) > 0x7F800000u;
+    m = f > m ? f : m;
+  }
+  int64_t j = 0;
+#ifdef __AVX512F__
+  if (!nan) {  // the first lane equal to the max, 16 at a time (+0 and -0 are one max, as torch's > sees them)
+    const __m512 mm = _mm512_set1_ps(m);
+    for (; j + 16 <= V; j += 16) {
+      __m512i u;
+      if constexpr (std::is_same<T, float>::value)
+        u = _mm512_loadu_si512(x + j);
+      else
+        u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j))), 16);
+      const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_castsi512_ps(u), mm, _CMP_EQ_OQ);
+      if (eq) return j + __builtin_ctz(static_cast<unsigned>(eq));
+    }
+  }
+#endif
+  for (; j < V; ++j) {
+    const uint32_t u = argmax_bits(x[j]);
+    float f;
+    std::memcpy(&f, &u, 4);
+    if (nan ? (u & 0x7FFFFFFFu) > 0x7F800000u : f == m) return j;
+  }
+  return 0;  // a row of -inf only: torch returns 0 too
+}
+
+at::Tensor argmax_rows(at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) > 0 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "argmax_rows: x must be a contiguous float or bf16 [B, V] tensor with V > 0");
+  const int64_t B = x.size(0), V = x.size(1);
+  auto out = at::empty({B}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const void* base = x.data_ptr();
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      o[b] = f32 ? argmax_row(static_cast<const float*>(base) + b * V, V)
+                 : argmax_row(static_cast<const c10::BFloat16*>(base) + b * V, V);
+  });
+  return out;
+}
+
 // ---- K/V store ----------------------------------------------------------------------------------
 // k_cache/v_cache [num_blocks, block_size, Hkv, D] (contiguous) <- key/value [T, Hkv, D] at slots [T] (long;
 // a negative slot is padding, skipped). One contiguous row (Hkv * D elements) per token, copied in parallel:
@@ -814,6 +893,7 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at:
 _FUNCTIONS = [
     "paged_decode",
     "store_kv",
+    "argmax_rows",
     "linear_t",
     "pack_panels",
     "linear_panels",

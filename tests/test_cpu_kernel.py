@@ -299,3 +299,29 @@ def test_a_built_extension_is_imported_without_cpp_extension(tmp_path):
     marker.write_text(json.dumps(note))
     third = _load_in_subprocess(env)
     assert third["via_cpp_extension"] and json.loads(marker.read_text())["stat"][0] == note["stat"][0] - 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 7, 16, 17, 1000, 49152])
+def test_argmax_rows_matches_torch(dtype, vocab):
+    """The sampler's greedy argmax: torch's ids exactly, ties to the first index, a NaN above everything (the first
+    one), a row of -inf to 0; row lengths that are and are not multiples of the 16-lane vector."""
+    from batchery.engine import cpu_kernels
+    from batchery.engine.sampler import argmax_rows
+
+    kernel = cpu_kernels.load()
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(37, vocab, generator=g).to(dtype)
+    ties = torch.randint(0, 3, (37, vocab), generator=g).to(dtype)
+    odd = x.clone()
+    odd[3, vocab // 2] = float("nan")
+    odd[3, vocab - 1] = float("nan")
+    odd[4, :] = float("-inf")
+    odd[5, vocab // 3] = float("inf")
+    odd[6, :] = 0.0
+    odd[6, vocab - 1] = -0.0
+    for case in (x, ties, odd):
+        want = case.argmax(dim=-1)
+        assert torch.equal(kernel.argmax_rows(case), want)
+        assert torch.equal(argmax_rows(case), want)
+    assert torch.equal(argmax_rows(x[:, ::2]), x[:, ::2].argmax(dim=-1))  # not contiguous: copied first
