@@ -220,7 +220,9 @@ def test_sigterm_warm_shutdown_then_next_worker_finishes(workers):
     q = workers.new_queue()
     client = workers.client(q)
     w1 = workers.spawn(q, BATCHERY_CONCURRENCY="4", BATCHERY_SHUTDOWN_GRACE="0.5")
-    handles = client.chat_many(convs(12), max_tokens=1000, temperature=0, ignore_eos=True, timeout=60)
+    # long enough that the 4 running requests cannot end within the grace: the tiny model generates 1,000 tokens
+    # for 4 sequences in about 0.7 s on a 2-core VM, and a 1,000-token run once ended inside the grace (CI, stop 25)
+    handles = client.chat_many(convs(12), max_tokens=4000, temperature=0, ignore_eos=True, timeout=60)
     wait_for(lambda: w1.stats()["engine"]["num_running"] == 4, 30, what="4 requests running on the first worker")
     assert w1.terminate(timeout=30) == 0
     log1 = w1.log()
@@ -229,7 +231,7 @@ def test_sigterm_warm_shutdown_then_next_worker_finishes(workers):
     assert returned and int(returned.group(1)) >= 1
     w2 = workers.spawn(q)
     results = [h.get(timeout=120) for h in handles]
-    assert all(r.usage.completion_tokens == 1000 for r in results)
+    assert all(r.usage.completion_tokens == 4000 for r in results)
     done1 = w1.count(r"batchery.chat_completion\[\S+\] succeeded")
     done2 = w2.count(r"batchery.chat_completion\[\S+\] succeeded")
     assert done2 >= int(returned.group(1)) and done1 + done2 == 12  # each request ran to completion once
