@@ -44,8 +44,8 @@ _BIT_TABLE: torch.Tensor | None = None
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of a [B, V] tensor, the same ids; on the CPU by the vectorized C++ kernel where it is
-    built (torch's CPU argmax compares one element at a time: 1.35 ms for 80 greedy rows of SmolLM2's 49,152
-    logits on a 2-core Zen 5 EPYC, the kernel about a tenth of that)."""
+    built (torch's CPU argmax compares one element at a time: for 80 rows of SmolLM2's 49,152 bf16 logits on a
+    2-core Zen 5 EPYC, torch took 3.0 ms to convert them to fp32 and take the argmax, the kernel 0.17 ms)."""
     if x.device.type == "cpu" and x.dim() == 2 and x.shape[1] > 0 and x.dtype in (torch.float32, torch.bfloat16):
         kernels = cpu_kernels.load()
         if kernels is not None:
