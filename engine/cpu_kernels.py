@@ -96,6 +96,12 @@ struct DecodeTask {
   int64_t b, h0, nq, start, len;  // sequence, its first KV head, query heads, first attended token, tokens
 };
 
+// The first token a sequence of n tokens attends to (its sliding window's start, or 0).
+template <typename T>
+static inline int64_t attend_start(const DecodeArgs<T>& a, int64_t n) {
+  return (a.window > 0 && n - a.window > 0) ? n - a.window : 0;
+}
+
 // Task idx; false when its sequence attends to nothing (its output rows are zeroed here).
 template <typename T>
 static inline bool decode_task(const DecodeArgs<T>& a, int64_t idx, DecodeTask& t) {
@@ -103,7 +109,7 @@ static inline bool decode_task(const DecodeArgs<T>& a, int64_t idx, DecodeTask& 
   t.h0 = (idx % a.groups) * a.hper;
   t.nq = a.hper * a.G;
   const int64_t n = a.cp[t.b];
-  t.start = (a.window > 0 && n - a.window > 0) ? n - a.window : 0;
+  t.start = attend_start(a, n);
   t.len = n - t.start;
   if (t.len > 0) return true;
   T* dst = a.op + (t.b * a.H + t.h0 * a.G) * a.D;
@@ -339,7 +345,7 @@ static inline void add_v_rows(float* __restrict acc, const float (*pr)[16], cons
 template <typename T>
 static inline void prefetch_task_start(const DecodeArgs<T>& a, int64_t idx, int64_t n, int64_t row_bytes) {
   const int64_t b = idx / a.groups, h0 = (idx % a.groups) * a.hper, ctx = a.cp[b];
-  const int64_t start = (a.window > 0 && ctx - a.window > 0) ? ctx - a.window : 0;
+  const int64_t start = attend_start(a, ctx);
   const int64_t stop = std::min(ctx, start + n);
   const int64_t* table = a.btp + b * a.maxb;
   for (int64_t p = start; p < stop; ++p) {

@@ -99,17 +99,14 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (already stored in the cache). Returns [T, H, D]."""
     nd = md.num_decode_tokens
-    if nd == q.shape[0] and md.backend == "cpu" and not md.prefills:  # decodes only: the kernel's output as it is
-        assert md.decode_block_tables is not None and md.decode_context_lens is not None
-        return cpu_paged.paged_decode(
-            q, k_cache, v_cache, md.decode_block_tables, md.decode_context_lens, scale, sliding_window, softcap
-        )
-    out = torch.empty_like(q)
+    decoded = None  # [nd, H, D]
     if nd:
         bt, lens = md.decode_block_tables, md.decode_context_lens
         assert bt is not None and lens is not None  # set whenever there are decode tokens
         if md.backend == "cpu":
-            out[:nd] = cpu_paged.paged_decode(q[:nd], k_cache, v_cache, bt, lens, scale, sliding_window, softcap)
+            decoded = cpu_paged.paged_decode(q[:nd], k_cache, v_cache, bt, lens, scale, sliding_window, softcap)
+            if nd == q.shape[0] and not md.prefills:  # decodes only: the kernel's output as it is
+                return decoded
         else:
             kc = _gather(k_cache, bt)  # [B, Hkv, C, D]
             vc = _gather(v_cache, bt)
@@ -122,7 +119,10 @@ def paged_attention(
                 # SDPA call reads each KV head once instead of once per query head.
                 qg = q[:nd].view(nd, hkv, -1, q.shape[-1])  # [B, Hkv, G, D]
                 o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=dmask, scale=scale)
-            out[:nd] = o.reshape(nd, q.shape[1], q.shape[2])
+            decoded = o.reshape(nd, q.shape[1], q.shape[2])
+    out = torch.empty_like(q)
+    if decoded is not None:
+        out[:nd] = decoded
     if md.prefills and md.backend == "cpu" and cpu_prefill.supports(q, softcap):
         # all of the step's chunks in one C++ call, K/V read from the pool (softcap and the rest: below)
         cpu_prefill.prefill_attention(q, k, v, k_cache, v_cache, md, out, scale, sliding_window)
