@@ -61,7 +61,7 @@ CALIBRATION_ROWS = (8, 64, 128, 256, 512)
 WIDE = 4096  # fp32 layers with at least this many outputs are read in panels (``pack_panels``)
 ANY = 1 << 62
 CALIBRATION_CACHE_ENV = "BATCHERY_CPU_CALIBRATION_CACHE"  # "0": calibrate at every start
-_CALIBRATION_VERSION = 3  # bump when calibrate() measures differently (3: the packed oneDNN route)
+_CALIBRATION_VERSION = 4  # bump when calibrate() measures differently (3: the packed oneDNN route; 4: its rival)
 _MAX_HOSTS = 32  # host keys kept in the file (a model cache shared by several machines)
 
 
@@ -144,8 +144,23 @@ def _kernel_fn(kernel: types.ModuleType, w: torch.Tensor) -> tuple[KernelLinear,
     if w.dtype == torch.float32:
         wt = w.t().contiguous()
         return (lambda x, bias=None: kernel.linear_t(x, wt, bias)), wt
+    if uses_amx(kernel, w):
+        tiles = kernel.pack_amx(w)
+        return (lambda x, bias=None: kernel.linear_amx(x, tiles, bias)), tiles
     packed = kernel.pack_bf16(w)
     return (lambda x, bias=None: kernel.linear_bf16(x, packed, n, bias)), packed
+
+
+def uses_amx(kernel: types.ModuleType, w: torch.Tensor) -> bool:
+    """Whether a bf16 weight's kernel is the AMX one (``linear_amx``): the CPU has AMX-BF16, Linux granted its
+    tiles, and both sides of the weight are multiples of 32 (one tile multiply takes 32 k and 16 columns, in pairs
+    of column blocks). Elsewhere bf16 weights take the ``vdpbf16ps`` kernel."""
+    return (
+        w.dtype == torch.bfloat16
+        and w.shape[0] % 32 == 0
+        and w.shape[1] % 32 == 0
+        and bool(getattr(kernel, "has_amx_linear", lambda: False)())
+    )
 
 
 def calibrate(kernel: types.ModuleType, in_features: int, out_features: int, dtype: torch.dtype = torch.float32) -> int:
@@ -155,22 +170,29 @@ def calibrate(kernel: types.ModuleType, in_features: int, out_features: int, dty
     g = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=g).to(dtype)
     fn, _ = _kernel_fn(kernel, w)
-    return _limit(fn, w, g, after=0)
+    onednn = _onednn_fn(w)
+    return _limit(fn, w, g, after=0, rivals=() if onednn is None else (onednn,))
 
 
-def _limit(fn: KernelLinear, w: torch.Tensor, g: torch.Generator, after: int) -> int:
-    """The largest of the row counts above ``after`` up to which ``fn`` beats ``F.linear`` on ``w`` in a row
-    (``ANY`` when it won up to the last one); a ``WIDE`` layer is tried up to 256 rows. A loss is timed again
-    before it counts: it ends the search and is cached, and one stall of the machine during a few milliseconds
-    of timing once kept a kernel 2.4x faster than torch off every row count from 256 up (2-core AMD EPYC)."""
+def _limit(
+    fn: KernelLinear, w: torch.Tensor, g: torch.Generator, after: int, rivals: tuple[KernelLinear, ...] = ()
+) -> int:
+    """The largest of the row counts above ``after`` up to which ``fn`` beats ``F.linear`` (and each of
+    ``rivals``) on ``w`` in a row (``ANY`` when it won up to the last one); a ``WIDE`` layer is tried up to 256
+    rows. A loss is timed again before it counts: it ends the search and is cached, and one stall of the machine
+    during a few milliseconds of timing once kept a kernel 2.4x faster than torch off every row count from 256 up
+    (2-core AMD EPYC). The kernel's rival is also the packed oneDNN route, which takes the rows after the
+    kernel's: on the AMX Xeon the AMX kernel beat ``F.linear`` at every row count but oneDNN's AMX matmul beat
+    it at 256 rows and more for a 576 -> 1536 layer (2x at 955)."""
     limit = 0
     rows_tried = [r for r in CALIBRATION_ROWS if (w.shape[0] < WIDE or r <= 256) and r > after]
     with torch.inference_mode():
         for rows in rows_tried:
             x = torch.randn(rows, w.shape[1], generator=g).to(w.dtype)
-            ours, torch_ = functools.partial(fn, x), functools.partial(F.linear, x, w)
-            if not _faster(ours, torch_) and not _faster(ours, torch_, reps=9):
-                return limit
+            ours = functools.partial(fn, x)
+            for rival in [functools.partial(F.linear, x, w), *(functools.partial(r, x) for r in rivals)]:
+                if not _faster(ours, rival) and not _faster(ours, rival, reps=9):
+                    return limit
             limit = rows
     return ANY if rows_tried and rows_tried[-1] == CALIBRATION_ROWS[-1] else limit
 

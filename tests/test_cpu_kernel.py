@@ -160,17 +160,71 @@ def test_fast_linear_bf16_matches_torch(rows, bias):
     assert (got.float() - want).abs().max() <= want.abs().max() * 2**-6
 
 
+def _amx_kernel():
+    kernel = cpu_paged.load()
+    if kernel is None or not kernel.has_amx_linear():
+        pytest.skip("this CPU (or compiler, or OS) has no AMX-BF16: bf16 linears take the vdpbf16ps kernel")
+    return kernel
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 33, 70, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_bf16_rounds_its_sums_as_torch_does(bias):
+def test_linear_amx_matches_exact_sums(rows, bias):
+    """Every row tail (a 16-row tile partly used, one or two row blocks, more than one 256-row chunk) and a
+    weight of several column pairs and k tiles: within one bf16 rounding of the exact fp32 result."""
+    kernel = _amx_kernel()
+    g = torch.Generator().manual_seed(rows)
+    n, k = 96, 160
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(2, rows, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    exact = x.float() @ w.float().t() + (b.float() if b is not None else 0)
+    got = kernel.linear_amx(x, kernel.pack_amx(w), b)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, rows, n)
+    assert ((got.float() - exact).abs() <= exact.abs() * 2**-7 + 1e-3).all()
+
+
+def test_linear_amx_refuses_what_it_cannot_run():
+    kernel = _amx_kernel()
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        kernel.pack_amx(torch.zeros(48, 64, dtype=torch.bfloat16))
+    tiles = kernel.pack_amx(torch.zeros(64, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernel.linear_amx(torch.zeros(3, 64), tiles, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernel.linear_amx(torch.zeros(3, 64, dtype=torch.bfloat16), tiles, torch.zeros(5, dtype=torch.bfloat16))
+
+
+def test_fast_linear_bf16_takes_amx_where_the_cpu_has_it():
+    """On AMX CPUs a bf16 layer whose sides are multiples of 32 runs on the tiles; one that is not keeps the
+    vdpbf16ps kernel. Both give what torch gives, to bf16 rounding."""
+    from batchery.engine import fast_linear
+
+    kernel = _amx_kernel()
+    torch.manual_seed(3)
+    tiled, odd = torch.nn.Linear(64, 96).to(torch.bfloat16), torch.nn.Linear(48, 80).to(torch.bfloat16)
+    assert fast_linear.uses_amx(kernel, tiled.weight) and not fast_linear.uses_amx(kernel, odd.weight)
+    xa, xb = torch.randn(5, 64).to(torch.bfloat16), torch.randn(5, 48).to(torch.bfloat16)
+    with torch.inference_mode():
+        want_a, want_b = tiled(xa).float(), odd(xb).float()
+        assert fast_linear.install(torch.nn.Sequential(tiled, odd), max_rows=-1) == 2
+        got_a, got_b = tiled(xa).float(), odd(xb).float()
+    assert (got_a - want_a).abs().max() <= want_a.abs().max() * 2**-6
+    assert (got_b - want_b).abs().max() <= want_b.abs().max() * 2**-6
+
+
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_bf16_rounds_its_sums_as_torch_does(bias, amx):
     """The tiles write bf16 themselves: each fp32 sum (+ bias) must round exactly as ``.to(torch.bfloat16)``
     rounds it (to nearest, ties to even; a NaN as torch's vectorized conversion writes it). Inputs with two
     nonzero terms per row make every sum exact in fp32, so the expected output is known bit for bit; ties and
     values between bf16 steps are frequent."""
-    kernel = cpu_paged.load()
+    kernel = _amx_kernel() if amx else cpu_paged.load()
     if not kernel.has_bf16_linear():
         pytest.skip("this CPU (or compiler) has no AVX512-BF16: bf16 linears stay on torch")
     g = torch.Generator().manual_seed(1)
-    n, k, rows = 80, 64, 13
+    n, k, rows = (96 if amx else 80), 64, 13
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     w[5, 7] = float("nan")
     x = torch.zeros(rows, k, dtype=torch.bfloat16)
@@ -184,7 +238,7 @@ def test_linear_bf16_rounds_its_sums_as_torch_does(bias):
     if b is not None:
         exact = exact + b.float()
     want = exact.to(torch.bfloat16)
-    got = kernel.linear_bf16(x, kernel.pack_bf16(w), n, b)
+    got = kernel.linear_amx(x, kernel.pack_amx(w), b) if amx else kernel.linear_bf16(x, kernel.pack_bf16(w), n, b)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     assert torch.isnan(got[0, 5])
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # the NaN's bits included
