@@ -27,7 +27,7 @@ from pathlib import Path
 
 log = logging.getLogger("batchery.engine.kernels")
 
-NAME = "batchery_cpu_kernels_v13"  # bump when the source changes (the build cache is keyed by it)
+NAME = "batchery_cpu_kernels_v14"  # bump when the source changes (the build cache is keyed by it)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -966,6 +966,33 @@ static inline void amx_block(const uint16_t* x, int64_t K, const char* w0, int64
 // the column pairs stream past it; decode steps (one chunk) read every weight once. A task's sums go to a buffer
 // and are rounded to bf16 after its last tile multiply: read back right after each block's tile stores, they
 // stalled every block (the rounding's cost doubled: 550-740 GFLOPS at 64-955 rows with it there, 800-900 without).
+// SiLU(gate) * up as the fused MLP computes it from the two projections' bf16 outputs (cpu_fused's silu_mul):
+// gate and up each rounded to bf16 as linear_amx stores them, SiLU by an exact division rounded to bf16 (a NaN as
+// cpu_fused rounds it, 0x7FC0), the product rounded once more. Returns the product's bf16 bits.
+static inline __m512 amx_bf16_as_float(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+static inline __m256i amx_round_fused(__m512 v) {  // cpu_fused's vbf16_bits (NaN -> 0x7FC0), narrowed
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0)));
+}
+static inline __m256i amx_silu_mul16(__m512 gate_sum, __m512 up_sum) {
+  const __m512 g = amx_bf16_as_float(bf16_round16(gate_sum)), u = amx_bf16_as_float(bf16_round16(up_sum));
+  const __m512 e = exp_poly(_mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(-104.f)),
+                                          _mm512_set1_ps(100.f)));
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+  __m512 q;
+  __asm__("vdivps %2, %1, %0" : "=v"(q) : "v"(g), "v"(d));  // exact (-ffast-math may not turn it into rcp)
+  return amx_round_fused(_mm512_mul_ps(amx_bf16_as_float(amx_round_fused(q)), u));
+}
+
+// SILU: the weight is gate and up interleaved by 16-column blocks (pack_amx_gate_up), so a column pair holds a
+// block of each and the output [M, N / 2] is SiLU(gate) * up, written without the two projections' outputs
+template <bool SILU>
 static void amx_linear(const uint16_t* x, const char* wp, uint16_t* out, int64_t M, int64_t K, int64_t N,
                        const float* bias) {
   constexpr int64_t kChunk = 256;
@@ -989,6 +1016,12 @@ static void amx_linear(const uint16_t* x, const char* wp, uint16_t* out, int64_t
           amx_block<true>(x + m0 * K, K, w0, ktiles, cbuf + (m0 - m_begin) * 32);
         else
           amx_block<false>(x + m0 * K, K, w0, ktiles, cbuf + (m0 - m_begin) * 32);
+      }
+      if (SILU) {  // no bias: the MLPs this serves have none
+        for (int64_t i = 0; i < m_end - m_begin; ++i)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m_begin + i) * (N / 2) + p * 16),
+                              amx_silu_mul16(_mm512_load_ps(cbuf + i * 32), _mm512_load_ps(cbuf + i * 32 + 16)));
+        continue;
       }
       const __m512 b0 = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
       const __m512 b1 = bias ? _mm512_loadu_ps(bias + n0 + 16) : _mm512_setzero_ps();
@@ -1043,13 +1076,49 @@ at::Tensor linear_amx(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bia
   }
   auto out = at::empty({M, N}, xf.options());
   if (M > 0)
-    amx_linear(reinterpret_cast<const uint16_t*>(xf.data_ptr()), reinterpret_cast<const char*>(wp.data_ptr()),
+    amx_linear<false>(reinterpret_cast<const uint16_t*>(xf.data_ptr()), reinterpret_cast<const char*>(wp.data_ptr()),
                reinterpret_cast<uint16_t*>(out.data_ptr()), M, K, N,
                bias_f.defined() ? bias_f.data_ptr<float>() : nullptr);
   xs.back() = N;
   return out.view(xs);
 #else
   TORCH_CHECK(false, "linear_amx: built without AMX-BF16");
+  return x;
+#endif
+}
+
+// gate, up [I, K] bf16 (an MLP's two projections) -> pack_amx of their rows interleaved by 16: column pair p holds
+// gate columns 16p.. and up columns 16p.. (I a multiple of 16, K of 32)
+at::Tensor pack_amx_gate_up(at::Tensor gate, at::Tensor up) {
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.scalar_type() == at::kBFloat16 &&
+                  up.scalar_type() == at::kBFloat16 && gate.size(0) % 16 == 0 && gate.size(1) % 32 == 0,
+              "pack_amx_gate_up: gate and up must be bf16 [I, K] of one shape, I a multiple of 16 and K of 32");
+  const int64_t I = gate.size(0), K = gate.size(1);
+  return pack_amx(at::stack({gate.contiguous().view({I / 16, 16, K}), up.contiguous().view({I / 16, 16, K})}, 1)
+                      .view({2 * I, K}));
+}
+
+// SiLU(x @ gate.T) * (x @ up.T) with the weight from pack_amx_gate_up: [..., I] bf16, bit for bit what the two
+// projections through linear_amx and cpu_fused's fused_silu_mul give
+at::Tensor linear_amx_silu(at::Tensor x, at::Tensor wp) {
+#ifdef BATCHERY_AMX
+  TORCH_CHECK(amx_permitted(), "linear_amx_silu: the OS did not grant the AMX tile state");
+  TORCH_CHECK(wp.dim() == 4 && wp.size(2) == 16 && wp.size(3) == 16 && wp.size(0) % 2 == 0 && wp.is_contiguous() &&
+                  wp.scalar_type() == at::kInt,
+              "linear_amx_silu: the weight must come from pack_amx_gate_up");
+  const int64_t N = wp.size(0) * 16, K = wp.size(1) * 32;
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "linear_amx_silu: the input must be bf16 [..., K]");
+  auto xs = x.sizes().vec();
+  auto xf = x.reshape({-1, K}).contiguous();
+  const int64_t M = xf.size(0);
+  auto out = at::empty({M, N / 2}, xf.options());
+  if (M > 0)
+    amx_linear<true>(reinterpret_cast<const uint16_t*>(xf.data_ptr()), reinterpret_cast<const char*>(wp.data_ptr()),
+                     reinterpret_cast<uint16_t*>(out.data_ptr()), M, K, N, nullptr);
+  xs.back() = N / 2;
+  return out.view(xs);
+#else
+  TORCH_CHECK(false, "linear_amx_silu: built without AMX-BF16");
   return x;
 #endif
 }
@@ -1068,6 +1137,8 @@ _FUNCTIONS = [
     "pack_amx",
     "linear_amx",
     "has_amx_linear",
+    "pack_amx_gate_up",
+    "linear_amx_silu",
 ]
 
 # Modules whose C++ ``SOURCE`` (exporting ``FUNCTIONS``) is compiled into this extension, in order.

@@ -426,4 +426,42 @@ def install(model: torch.nn.Module, max_rows: int | None = None, calibration_cac
         cache.save()
     if count:
         log.info("%d linear layers run on the C++ CPU kernels", count)
+        fused = _install_gate_up(model, kernel)
+        if fused:
+            log.info("%d MLPs compute SiLU(gate) * up in one AMX pass", fused)
+    return count
+
+
+GateUp = Callable[[torch.Tensor], torch.Tensor]  # x [..., hidden] bf16 -> SiLU(gate_proj(x)) * up_proj(x)
+
+
+def _install_gate_up(model: torch.nn.Module, kernel: types.ModuleType) -> int:
+    """Give each MLP whose ``gate_proj`` and ``up_proj`` run on the AMX kernel a ``_batchery_gate_up``: both
+    projections and SiLU(gate) * up in one pass over a weight that interleaves them (``pack_amx_gate_up``, one more
+    copy of the two), bit for bit what the two projections and ``cpu_fused.fused_silu_mul`` give. The fused decoder
+    layers (``fused_llama``) call it for any row count: neither projection's output is written and read back, and
+    the product is computed while the sums are still in cache. On the 2-core AMX Xeon, SmolLM2's 576 -> 1536 pair
+    with the SiLU, 30 layers' weights in turn: 1.05-1.15x the two AMX projections and the separate SiLU at 17-256
+    rows, 1.07x oneDNN's at 1024 rows (``fused_silu_mul`` alone takes about 1 ms there)."""
+    if not hasattr(kernel, "linear_amx_silu"):
+        return 0
+    count = 0
+    for module in model.modules():
+        gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
+        if not isinstance(gate, torch.nn.Linear) or not isinstance(up, torch.nn.Linear):
+            continue
+        if gate.bias is not None or up.bias is not None or gate.weight.shape != up.weight.shape:
+            continue
+        if not all(getattr(lin, "_batchery_max_rows", 0) and uses_amx(kernel, lin.weight) for lin in (gate, up)):
+            continue
+        tiles = kernel.pack_amx_gate_up(gate.weight.detach(), up.weight.detach())
+        run = kernel.linear_amx_silu
+
+        def gate_up(
+            x: torch.Tensor, tiles: torch.Tensor = tiles, run: Callable[..., torch.Tensor] = run
+        ) -> torch.Tensor:
+            return run(x, tiles)
+
+        module._batchery_gate_up = gate_up
+        count += 1
     return count

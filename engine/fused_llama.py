@@ -199,8 +199,12 @@ def _model_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         o = attn.o_proj(out.reshape(1, t, -1).contiguous()).contiguous()
         norm = layer.post_attention_layernorm
         x = kernel.fused_add_rms_norm(h, o, norm.weight, norm.variance_epsilon)  # h += o; o = norm(h)
-        gate = mlp.gate_proj(x).contiguous()
-        delta = mlp.down_proj(kernel.fused_silu_mul(gate, mlp.up_proj(x).contiguous())).contiguous()
+        gate_up = getattr(mlp, "_batchery_gate_up", None)  # both projections and the SiLU in one AMX pass
+        if gate_up is not None and x.dtype == torch.bfloat16:
+            act = gate_up(x)
+        else:
+            act = kernel.fused_silu_mul(mlp.gate_proj(x).contiguous(), mlp.up_proj(x).contiguous())
+        delta = mlp.down_proj(act).contiguous()
     norm = self.norm
     if delta is None:
         h = kernel.fused_rms_norm(h, norm.weight, norm.variance_epsilon)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from batchery.engine.attention import cpu_paged, torch_backend
 from batchery.engine.attention.metadata import AttentionMetadata
@@ -193,6 +194,63 @@ def test_linear_amx_refuses_what_it_cannot_run():
         kernel.linear_amx(torch.zeros(3, 64), tiles, None)
     with pytest.raises(RuntimeError, match="bias"):
         kernel.linear_amx(torch.zeros(3, 64, dtype=torch.bfloat16), tiles, torch.zeros(5, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("rows", [1, 17, 33, 300])
+def test_linear_amx_silu_equals_the_projections_and_fused_silu(rows):
+    """The gate/up pass gives bit for bit what the two projections and cpu_fused's SiLU * up give (every row
+    tail, two row chunks, inputs large enough for SiLU's saturation and a NaN
+    in one gate column)."""
+    kernel = _amx_kernel()
+    g = torch.Generator().manual_seed(rows)
+    inter, hidden = 96, 96
+    gate = (torch.randn(inter, hidden, generator=g) * 0.3).to(torch.bfloat16)
+    up = (torch.randn(inter, hidden, generator=g) * 0.3).to(torch.bfloat16)
+    gate[3, 5] = float("nan")
+    x = (torch.randn(rows, hidden, generator=g) * 4).to(torch.bfloat16)
+    want = kernel.fused_silu_mul(
+        kernel.linear_amx(x, kernel.pack_amx(gate), None), kernel.linear_amx(x, kernel.pack_amx(up), None)
+    )
+    got = kernel.linear_amx_silu(x.view(1, rows, hidden), kernel.pack_amx_gate_up(gate, up))
+    assert got.shape == (1, rows, inter) and got.dtype == torch.bfloat16
+    assert torch.isnan(got[0, :, 3]).all()
+    assert torch.equal(got.view(rows, inter).view(torch.int16), want.view(torch.int16))
+
+
+def test_pack_amx_gate_up_refuses_what_it_cannot_run():
+    kernel = _amx_kernel()
+    with pytest.raises(RuntimeError, match="one shape"):
+        kernel.pack_amx_gate_up(torch.zeros(32, 64, dtype=torch.bfloat16), torch.zeros(48, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="multiple of 16 and K of 32"):
+        kernel.pack_amx_gate_up(torch.zeros(24, 64, dtype=torch.bfloat16), torch.zeros(24, 64, dtype=torch.bfloat16))
+    tiles = kernel.pack_amx_gate_up(
+        torch.zeros(32, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
+    )
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernel.linear_amx_silu(torch.zeros(3, 64), tiles)
+
+
+def test_fast_linear_gives_amx_mlps_one_gate_up_pass():
+    """install gives an MLP whose gate and up run on AMX the fused pass, and it computes what the MLP's own
+    projections and SiLU compute, to bf16 rounding (torch's SiLU rounds as cpu_fused's does, up to exp's last bit)."""
+    from batchery.engine import fast_linear
+
+    _amx_kernel()
+
+    class MLP(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_proj = torch.nn.Linear(64, 96, bias=False)
+            self.up_proj = torch.nn.Linear(64, 96, bias=False)
+
+    torch.manual_seed(4)
+    mlp = MLP().to(torch.bfloat16)
+    x = torch.randn(7, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        want = (F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)).float()
+        assert fast_linear.install(mlp, max_rows=-1) == 2
+        got = mlp._batchery_gate_up(x).float()
+    assert (got - want).abs().max() <= want.abs().max() * 2**-6
 
 
 def test_fast_linear_bf16_takes_amx_where_the_cpu_has_it():
