@@ -27,7 +27,7 @@ from pathlib import Path
 
 log = logging.getLogger("batchery.engine.kernels")
 
-NAME = "batchery_cpu_kernels_v14"  # bump when the source changes (the build cache is keyed by it)
+NAME = "batchery_cpu_kernels_v15"  # bump when the source changes (the build cache is keyed by it)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -1057,30 +1057,40 @@ at::Tensor pack_amx(at::Tensor w) {
       .view(at::kInt).view({N / 16, K / 32, 16, 16});
 }
 
-// y = x @ w.T (+ bias) with w from pack_amx: bf16 in and out, fp32 sums rounded once (as linear_bf16)
-at::Tensor linear_amx(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bias) {
 #ifdef BATCHERY_AMX
-  TORCH_CHECK(amx_permitted(), "linear_amx: the OS did not grant the AMX tile state");
+// What linear_amx and linear_amx_silu share: the checks (``what`` names the caller in errors) and the call.
+// SILU: the tiles come from pack_amx_gate_up and the output has half their columns.
+template <bool SILU>
+static at::Tensor amx_call(const char* what, const at::Tensor& x, const at::Tensor& wp,
+                           c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(amx_permitted(), what, ": the OS did not grant the AMX tile state");
   TORCH_CHECK(wp.dim() == 4 && wp.size(2) == 16 && wp.size(3) == 16 && wp.size(0) % 2 == 0 && wp.is_contiguous() &&
                   wp.scalar_type() == at::kInt,
-              "linear_amx: the weight must come from pack_amx");
-  const int64_t N = wp.size(0) * 16, K = wp.size(1) * 32;
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "linear_amx: the input must be bf16 [..., K]");
+              what, ": the weight must come from ", SILU ? "pack_amx_gate_up" : "pack_amx");
+  const int64_t N = wp.size(0) * 16, K = wp.size(1) * 32, n_out = SILU ? N / 2 : N;
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, what, ": the input must be bf16 [..., K]");
   auto xs = x.sizes().vec();
   auto xf = x.reshape({-1, K}).contiguous();
   const int64_t M = xf.size(0);
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "linear_amx: the bias must have out_features elements");
+    TORCH_CHECK(bias->numel() == N, what, ": the bias must have out_features elements");
     bias_f = bias->to(at::kFloat).contiguous();
   }
-  auto out = at::empty({M, N}, xf.options());
+  auto out = at::empty({M, n_out}, xf.options());
   if (M > 0)
-    amx_linear<false>(reinterpret_cast<const uint16_t*>(xf.data_ptr()), reinterpret_cast<const char*>(wp.data_ptr()),
-               reinterpret_cast<uint16_t*>(out.data_ptr()), M, K, N,
-               bias_f.defined() ? bias_f.data_ptr<float>() : nullptr);
-  xs.back() = N;
+    amx_linear<SILU>(reinterpret_cast<const uint16_t*>(xf.data_ptr()), reinterpret_cast<const char*>(wp.data_ptr()),
+                     reinterpret_cast<uint16_t*>(out.data_ptr()), M, K, N,
+                     bias_f.defined() ? bias_f.data_ptr<float>() : nullptr);
+  xs.back() = n_out;
   return out.view(xs);
+}
+#endif
+
+// y = x @ w.T (+ bias) with w from pack_amx: bf16 in and out, fp32 sums rounded once (as linear_bf16)
+at::Tensor linear_amx(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bias) {
+#ifdef BATCHERY_AMX
+  return amx_call<false>("linear_amx", x, wp, bias);
 #else
   TORCH_CHECK(false, "linear_amx: built without AMX-BF16");
   return x;
@@ -1102,21 +1112,7 @@ at::Tensor pack_amx_gate_up(at::Tensor gate, at::Tensor up) {
 // projections through linear_amx and cpu_fused's fused_silu_mul give
 at::Tensor linear_amx_silu(at::Tensor x, at::Tensor wp) {
 #ifdef BATCHERY_AMX
-  TORCH_CHECK(amx_permitted(), "linear_amx_silu: the OS did not grant the AMX tile state");
-  TORCH_CHECK(wp.dim() == 4 && wp.size(2) == 16 && wp.size(3) == 16 && wp.size(0) % 2 == 0 && wp.is_contiguous() &&
-                  wp.scalar_type() == at::kInt,
-              "linear_amx_silu: the weight must come from pack_amx_gate_up");
-  const int64_t N = wp.size(0) * 16, K = wp.size(1) * 32;
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "linear_amx_silu: the input must be bf16 [..., K]");
-  auto xs = x.sizes().vec();
-  auto xf = x.reshape({-1, K}).contiguous();
-  const int64_t M = xf.size(0);
-  auto out = at::empty({M, N / 2}, xf.options());
-  if (M > 0)
-    amx_linear<true>(reinterpret_cast<const uint16_t*>(xf.data_ptr()), reinterpret_cast<const char*>(wp.data_ptr()),
-                     reinterpret_cast<uint16_t*>(out.data_ptr()), M, K, N, nullptr);
-  xs.back() = N / 2;
-  return out.view(xs);
+  return amx_call<true>("linear_amx_silu", x, wp, c10::nullopt);
 #else
   TORCH_CHECK(false, "linear_amx_silu: built without AMX-BF16");
   return x;
