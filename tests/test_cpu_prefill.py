@@ -230,3 +230,33 @@ def test_engine_greedy_on_the_kernel_matches_the_torch_path(tiny64, max_batched)
     chunks = [p for step in calls for p in step]
     assert any(p.block_table is not None and p.q_len < p.context_len for p in chunks)  # cached-prefix prefills ran
     assert any(p.block_table is None for p in chunks)  # and plain ones
+
+
+@pytest.mark.parametrize("block_size,hkv,groups,head_dim", LAYOUTS)
+@pytest.mark.parametrize("window", [None, 37])
+@needs_kernel
+@pytest.mark.usefixtures("kernel")
+def test_cpu_prefill_on_amx_tiles_matches_the_vector_path(block_size, hkv, groups, head_dim, window):
+    """On CPUs with AMX-BF16 bf16 prefill runs its dot products on tiles (16 query rows a block); the
+    ``vdpbf16ps`` path stays for the rest. Both against the float64 reference, on chunks of every shape at once
+    (new, cached prefix, short, 130 tokens: partial row blocks and key tiles)."""
+    from batchery.engine import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    if kernels is None or not kernels.prefill_amx():
+        pytest.skip("no AMX-BF16 here (or the OS did not grant it): bf16 prefill takes vdpbf16ps")
+    q, k, v, kc, vc, md = _step(torch.bfloat16, block_size, hkv, groups, head_dim, SEVERAL + CACHED_PREFIX)
+    scale = head_dim**-0.5 * 2
+    want = _reference(q, k, v, kc, vc, md, scale, window)
+    tiles, vector = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+    cpu_prefill.prefill_attention(q, k, v, kc, vc, md, tiles, scale, window)
+    before = kernels.prefill_set_amx(False)
+    try:
+        assert not kernels.prefill_amx()
+        cpu_prefill.prefill_attention(q, k, v, kc, vc, md, vector, scale, window)
+    finally:
+        kernels.prefill_set_amx(before)
+    err_tiles = (tiles.double() - want).abs().max().item()
+    err_vector = (vector.double() - want).abs().max().item()
+    assert not tiles.isnan().any() and not vector.isnan().any()
+    assert err_tiles <= max(1.5 * err_vector, 1e-2), (err_tiles, err_vector)
