@@ -6,7 +6,11 @@ gathers the whole context into a copy). This kernel does all of a step's prefill
 layer: it reads K/V straight from the block pool through each chunk's block table, packs each context
 once into the layouts its register tiles read, serves all query heads of a KV head from one K/V tile
 (GQA), and keeps fp32 running max / sum / accumulators (flash-style online softmax). bf16 uses
-AVX512-BF16 dot products where the CPU has them, fp32 conversion otherwise.
+AVX512-BF16 dot products where the CPU has them, fp32 conversion otherwise; on CPUs with AMX-BF16 its two
+products (Q K^T and P V) run on tiles read straight from the same packed K/V, 16 query rows a block
+(``attend_amx``: 2.6-4x the ``vdpbf16ps`` pass per layer on the 2-core AMX Xeon, 0.8 against 2.2 ms for a
+1024-token step of four 200-300-token prompts, 2.5 against 10.2 ms for three 340-token chunks of 700-token
+contexts).
 
 ``SOURCE`` is C++ compiled into that one extension; ``FUNCTIONS`` are the names it exports. Anything the
 kernel does not cover (softcap, head_dim not a multiple of 32, other dtypes, a build without AVX-512)
