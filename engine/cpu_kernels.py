@@ -27,7 +27,7 @@ from pathlib import Path
 
 log = logging.getLogger("batchery.engine.kernels")
 
-NAME = "batchery_cpu_kernels_v19"  # bump when the source changes (the build cache is keyed by it)
+NAME = "batchery_cpu_kernels_v23"  # bump when the source changes (the build cache is keyed by it)
 
 _SOURCE = r"""
 #include <torch/extension.h>

@@ -247,324 +247,268 @@ struct Task {
   double cost;
 };
 
+// A task's query rows (token-major, then the query heads of its KV head) into qbuf, padded with zero rows to Rp;
+// each row's position (-1: padding) and the first key its window lets it see; o, m, l reset.
 template <typename T, bool BF>
-static void attend(const Args<T>& a, const std::vector<SeqPack>& packs, const uint32_t* kbuf, const uint32_t* vbuf,
-                   const std::vector<Task>& tasks, int64_t max_rows) {
-  const int64_t D = a.D, C = BF ? D / 2 : D, G = a.G, tile_units = TK * C;
-  const int64_t window = a.window;
-  std::atomic<int64_t> next{0};
-  const int64_t ntasks = static_cast<int64_t>(tasks.size());
-  const int nthreads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), ntasks));
-  at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
-    const int64_t rpad = (max_rows + MR - 1) / MR * MR;
-    std::vector<uint32_t> qbuf(rpad * C);
-    std::vector<float> obuf(rpad * D), mbuf(rpad), lbuf(rpad);
-    std::vector<int64_t> qposbuf(rpad), wlobuf(rpad);
-    alignas(64) float sbuf[MR * TK];
-    alignas(64) uint32_t pbuf[MR * TK];
-    float alpha[MR];
-    for (int64_t ti; (ti = next.fetch_add(1)) < ntasks;) {
-      const Task& task = tasks[ti];
-      const int64_t* sq = a.seqs + 4 * task.s;
-      const int64_t q_start = sq[0], q_len = sq[1], ctx = sq[2];
-      const int64_t R = (task.i1 - task.i0) * G, Rp = (R + MR - 1) / MR * MR;
-      const SeqPack& sp = packs[task.s];
-      const uint32_t* kt0 = kbuf + (sp.base + task.h * sp.nt) * tile_units;
-      const uint32_t* vp0 = vbuf + (sp.base + task.h * sp.nt) * tile_units;
-      // rows: token-major, then the query heads of KV head h
-      for (int64_t r = 0; r < Rp; ++r) {
-        uint32_t* qr = qbuf.data() + r * C;
-        if (r >= R) {
-          std::fill(qr, qr + C, 0u);
-          qposbuf[r] = -1;
-          wlobuf[r] = 0;
-          continue;
-        }
-        const int64_t i = task.i0 + r / G, hq = task.h * G + r % G;
-        const T* src = a.q + (q_start + i) * a.qs_t + hq * a.qs_h;
-        if (BF) {
-          std::memcpy(qr, src, C * sizeof(uint32_t));
-        } else {
-          float* f = reinterpret_cast<float*>(qr);
-          for (int64_t d = 0; d < D; ++d) f[d] = static_cast<float>(src[d]);
-        }
-        const int64_t pos = ctx - q_len + i;
-        qposbuf[r] = pos;
-        wlobuf[r] = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-      }
-      std::fill(obuf.begin(), obuf.begin() + Rp * D, 0.f);
-      std::fill(mbuf.begin(), mbuf.begin() + Rp, -INFINITY);
-      std::fill(lbuf.begin(), lbuf.begin() + Rp, 0.f);
-      // keys this task needs: tiles tlo .. thi - 1
-      const int64_t first_lo = wlobuf[0], last_pos = ctx - q_len + task.i1 - 1;
-      const int64_t tlo = first_lo / TK, thi = last_pos / TK + 1;
-      for (int64_t c0 = tlo; c0 < thi; c0 += CHUNK) {
-        const int64_t c1 = std::min(thi, c0 + CHUNK);
-        for (int64_t r0 = 0; r0 < R; r0 += MR) {
-          int64_t hi = -1, lo = INT64_MAX;
-          for (int i = 0; i < MR; ++i)
-            if (qposbuf[r0 + i] >= 0) {
-              hi = std::max(hi, qposbuf[r0 + i] + 1);
-              lo = std::min(lo, wlobuf[r0 + i]);
-            }
-          const int64_t t0 = std::max(c0, lo / TK), t1 = std::min(c1, (hi - 1) / TK + 1);
-          const uint32_t* qr = qbuf.data() + r0 * C;
-          for (int64_t t = t0; t < t1; ++t) {
-            const int64_t kbase = t * TK;
-            const int nvk = static_cast<int>(std::min<int64_t>(TK, hi - kbase) + 15) / 16;
-            const uint32_t* kt = kt0 + (t - sp.t0) * tile_units;
-            const uint32_t* vp = vp0 + (t - sp.t0) * tile_units;
-            qk_dispatch<BF>(nvk, qr, kt, sbuf, C);
-            // online softmax, row by row
-            const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-            const __m512 vscale = _mm512_set1_ps(a.scale);
-            for (int i = 0; i < MR; ++i) {
-              const int64_t r = r0 + i, qp = qposbuf[r], wl = wlobuf[r];
-              float* srow = sbuf + i * TK;
-              uint32_t* prow = pbuf + i * (BF ? TK / 2 : TK);
-              __m512 sv[4];
-              __mmask16 valid[4];
-              __m512 vm = _mm512_set1_ps(-INFINITY);
-              for (int v = 0; v < nvk; ++v) {
-                const __m512i kp = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int>(kbase + 16 * v)));
-                valid[v] = _mm512_cmple_epi32_mask(kp, _mm512_set1_epi32(static_cast<int>(qp))) &
-                           _mm512_cmpge_epi32_mask(kp, _mm512_set1_epi32(static_cast<int>(wl)));
-                sv[v] = _mm512_mul_ps(_mm512_loadu_ps(srow + 16 * v), vscale);
-                vm = _mm512_mask_max_ps(vm, valid[v], vm, sv[v]);
-              }
-              const float m_old = mbuf[r], m_new = std::max(m_old, _mm512_reduce_max_ps(vm));
-              if (m_new == -INFINITY) {  // nothing to attend in this tile (a padding row, or before its window)
-                alpha[i] = 1.f;
-                std::memset(prow, 0, (BF ? TK / 2 : TK) * sizeof(uint32_t));
-                continue;
-              }
-              alpha[i] = std::exp(m_old - m_new);
-              mbuf[r] = m_new;
-              const __m512 mv = _mm512_set1_ps(m_new);
-              __m512 sum = _mm512_setzero_ps();
-              __m512 pv[4];
-              for (int v = 0; v < nvk; ++v) {
-                pv[v] = _mm512_maskz_mov_ps(valid[v], ::exp16(_mm512_sub_ps(sv[v], mv)));
-                sum = _mm512_add_ps(sum, pv[v]);
-              }
-              lbuf[r] = lbuf[r] * alpha[i] + _mm512_reduce_add_ps(sum);
-              if (BF) {
-#ifdef __AVX512BF16__
-                for (int v = 0; v < nvk; v += 2) {
-                  const __m512 hi2 = v + 1 < nvk ? pv[v + 1] : _mm512_setzero_ps();
-                  _mm512_storeu_si512(prow + 8 * v, (__m512i)_mm512_cvtne2ps_pbh(hi2, pv[v]));
-                }
-#endif
-              } else {
-                for (int v = 0; v < nvk; ++v) _mm512_storeu_ps(reinterpret_cast<float*>(prow) + 16 * v, pv[v]);
-              }
-            }
-            const int64_t nk = BF ? nvk * 8 : nvk * 16;
-            float* o = obuf.data() + r0 * D;
-            int64_t d0 = 0;
-            for (; d0 + 64 <= D; d0 += 64) pv_tile<BF, 4>(pbuf, vp + d0, o + d0, alpha, D, nk);
-            if (d0 < D) pv_tile<BF, 2>(pbuf, vp + d0, o + d0, alpha, D, nk);
-          }
-        }
-      }
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t i = task.i0 + r / G, hq = task.h * G + r % G;
-        T* dst = a.out + (q_start + i) * a.os_t + hq * a.os_h;
-        const float inv = lbuf[r] > 0.f ? 1.f / lbuf[r] : 0.f;
-        const float* o = obuf.data() + r * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d] * inv);
-      }
+static void task_rows(const Args<T>& a, const Task& task, int64_t R, int64_t Rp, uint32_t* qbuf, int64_t* qpos,
+                      int64_t* wlo, float* o, float* m, float* l) {
+  const int64_t D = a.D, C = BF ? D / 2 : D, G = a.G;
+  const int64_t* sq = a.seqs + 4 * task.s;
+  const int64_t q_start = sq[0], q_len = sq[1], ctx = sq[2];
+  for (int64_t r = 0; r < Rp; ++r) {
+    uint32_t* qr = qbuf + r * C;
+    if (r >= R) {
+      std::fill(qr, qr + C, 0u);
+      qpos[r] = -1;
+      wlo[r] = 0;
+      continue;
     }
-  });
+    const int64_t i = task.i0 + r / G, hq = task.h * G + r % G;
+    const T* src = a.q + (q_start + i) * a.qs_t + hq * a.qs_h;
+    if (BF) {
+      std::memcpy(qr, src, C * sizeof(uint32_t));
+    } else {
+      float* f = reinterpret_cast<float*>(qr);
+      for (int64_t d = 0; d < D; ++d) f[d] = static_cast<float>(src[d]);
+    }
+    const int64_t pos = ctx - q_len + i;
+    qpos[r] = pos;
+    wlo[r] = a.window > 0 && pos - a.window + 1 > 0 ? pos - a.window + 1 : 0;
+  }
+  std::fill(o, o + Rp * D, 0.f);
+  std::fill(m, m + Rp, -INFINITY);
+  std::fill(l, l + Rp, 0.f);
+}
+
+// One row's online-softmax step over a key tile: its scores srow (the tile's first 16 * nvk keys from kbase) scaled,
+// masked to the keys the row sees (up to qp, from wl), folded into its running max m and sum l; the probabilities go
+// to prow (BF: bf16 pairs, the 32-key halves the tile touches; else floats) and alpha is the factor by which the
+// row's accumulated output must be scaled.
+template <bool BF>
+static inline void softmax_row(const float* srow, uint32_t* prow, int64_t kbase, int nvk, int64_t qp, int64_t wl,
+                               float scale, float& m, float& l, float& alpha) {
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  __m512 sv[4];
+  __mmask16 valid[4];
+  __m512 vm = _mm512_set1_ps(-INFINITY);
+  for (int v = 0; v < nvk; ++v) {
+    const __m512i kp = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int>(kbase + 16 * v)));
+    valid[v] = _mm512_cmple_epi32_mask(kp, _mm512_set1_epi32(static_cast<int>(qp))) &
+               _mm512_cmpge_epi32_mask(kp, _mm512_set1_epi32(static_cast<int>(wl)));
+    sv[v] = _mm512_mul_ps(_mm512_loadu_ps(srow + 16 * v), _mm512_set1_ps(scale));
+    vm = _mm512_mask_max_ps(vm, valid[v], vm, sv[v]);
+  }
+  const float m_old = m, m_new = std::max(m_old, _mm512_reduce_max_ps(vm));
+  if (m_new == -INFINITY) {  // nothing to attend in this tile (a padding row, or before its window)
+    alpha = 1.f;
+    std::memset(prow, 0, (BF ? TK / 2 : TK) * sizeof(uint32_t));
+    return;
+  }
+  alpha = std::exp(m_old - m_new);
+  m = m_new;
+  const __m512 mv = _mm512_set1_ps(m_new);
+  __m512 sum = _mm512_setzero_ps();
+  __m512 pv[4];
+  for (int v = 0; v < nvk; ++v) {
+    pv[v] = _mm512_maskz_mov_ps(valid[v], ::exp16(_mm512_sub_ps(sv[v], mv)));
+    sum = _mm512_add_ps(sum, pv[v]);
+  }
+  l = l * alpha + _mm512_reduce_add_ps(sum);
+  if (BF) {
+#ifdef __AVX512BF16__
+    for (int v = 0; v < nvk; v += 2) {  // a half's second 16 keys are 0 where the tile ends inside it
+      const __m512 hi2 = v + 1 < nvk ? pv[v + 1] : _mm512_setzero_ps();
+      _mm512_storeu_si512(prow + 8 * v, (__m512i)_mm512_cvtne2ps_pbh(hi2, pv[v]));
+    }
+#endif
+  } else {
+    for (int v = 0; v < nvk; ++v) _mm512_storeu_ps(reinterpret_cast<float*>(prow) + 16 * v, pv[v]);
+  }
+}
+
+// The key tiles t0 .. t1 - 1 of the chunk [c0, c1) that a block of n rows sees (a padding row's qpos is -1), and
+// hi, one past the last key any of them sees
+static inline void block_tiles(const int64_t* qpos, const int64_t* wlo, int n, int64_t c0, int64_t c1, int64_t& t0,
+                               int64_t& t1, int64_t& hi) {
+  int64_t lo = INT64_MAX;
+  hi = -1;
+  for (int i = 0; i < n; ++i)
+    if (qpos[i] >= 0) {
+      hi = std::max(hi, qpos[i] + 1);
+      lo = std::min(lo, wlo[i]);
+    }
+  t0 = std::max(c0, lo / TK);
+  t1 = std::min(c1, (hi - 1) / TK + 1);
+}
+
+// A task's R output rows: o / l in the model dtype
+template <typename T>
+static void write_rows(const Args<T>& a, const Task& task, int64_t R, const float* obuf, const float* lbuf) {
+  const int64_t D = a.D, G = a.G, q_start = a.seqs[4 * task.s];
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t i = task.i0 + r / G, hq = task.h * G + r % G;
+    T* dst = a.out + (q_start + i) * a.os_t + hq * a.os_h;
+    const float inv = lbuf[r] > 0.f ? 1.f / lbuf[r] : 0.f;
+    const float* o = obuf + r * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d] * inv);
+  }
 }
 
 #ifdef BATCHERY_AMX
-// The attend pass on AMX tiles (bf16 on CPUs with AMX-BF16): the same tasks, packed tiles and online softmax, in
-// blocks of 16 query rows. S = Q K^T: A tiles are 16 rows of q (32 dims each, read in place from the task's
-// rows), B tiles 16 pairs of dims x 16 keys straight from the packed K tile ([D/2][64] pairs: its rows are 256
-// bytes apart); the four 16 x 16 sums of a 64-key tile go to sbuf. O += P V: A tiles are P (bf16, 32 keys a
-// row), B tiles 16 key pairs x 16 dims of the packed V tile ([32][D] pairs); the products go to a buffer and
-// O = O * alpha + P V is one vector pass. Every tile is 16 rows of 64 bytes: one configuration for the task.
+// On AMX tiles (bf16 on CPUs with AMX-BF16) the attend pass takes blocks of 16 query rows and both products run
+// on tiles. S = Q K^T: A tiles are 16 rows of q (32 dims each, read in place from the task's rows), B tiles 16
+// pairs of dims x 16 keys straight from the packed K tile ([D/2][64] pairs: its rows are 256 bytes apart); the
+// four 16 x 16 sums of a 64-key tile go to sbuf. O += P V: A tiles are P (bf16, 32 keys a row), B tiles 16 key
+// pairs x 16 dims of the packed V tile ([32][D] pairs); the products go to a buffer and O = O * alpha + P V is
+// one vector pass. Every tile is 16 rows of 64 bytes: one configuration for the whole pass.
 static inline void amx_configure_16() {
   AmxConfig c;
   for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
   asm volatile("ldtilecfg %0" ::"m"(c));
 }
 
+// S [16][64] = 16 query rows qr (C pairs each) . the first 16 * nvk keys of a packed K tile: tiles 0-3 the four
+// 16-key blocks, 4 the q rows, 5 the keys
+static inline void amx_qk(const uint32_t* qr, const uint32_t* kt, float* sbuf, int64_t C, int nvk) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kc = 0; kc < C; kc += 16) {
+    _tile_loadd(4, qr + kc, C * 4);
+    _tile_loadd(5, kt + kc * TK, TK * 4);
+    _tile_dpbf16ps(0, 4, 5);
+    if (nvk > 1) {
+      _tile_loadd(5, kt + kc * TK + 16, TK * 4);
+      _tile_dpbf16ps(1, 4, 5);
+    }
+    if (nvk > 2) {
+      _tile_loadd(5, kt + kc * TK + 32, TK * 4);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if (nvk > 3) {
+      _tile_loadd(5, kt + kc * TK + 48, TK * 4);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, sbuf, TK * 4);
+  _tile_stored(1, sbuf + 16, TK * 4);
+  _tile_stored(2, sbuf + 32, TK * 4);
+  _tile_stored(3, sbuf + 48, TK * 4);
+}
+
 // dims 16B .. 16B + 15 of P V (P in tiles 4 and 6; halves: 1 or 2 blocks of 32 keys) into pv [16][64] at 16B.
 // A macro: the tile intrinsics take their tile numbers as literal text.
-#define BATCHERY_PV_BLOCK(B, vp, D, halves, pv)      \
-  do {                                               \
-    _tile_zero(B);                                   \
-    _tile_loadd(5, (vp) + 16 * (B), (D) * 4);        \
-    _tile_dpbf16ps(B, 4, 5);                         \
-    if ((halves) > 1) {                              \
+#define BATCHERY_PV_BLOCK(B, vp, D, halves, pv)            \
+  do {                                                     \
+    _tile_zero(B);                                         \
+    _tile_loadd(5, (vp) + 16 * (B), (D) * 4);              \
+    _tile_dpbf16ps(B, 4, 5);                               \
+    if ((halves) > 1) {                                    \
       _tile_loadd(7, (vp) + 16 * (D) + 16 * (B), (D) * 4); \
-      _tile_dpbf16ps(B, 6, 7);                       \
-    }                                                \
-    _tile_stored(B, (pv) + 16 * (B), 64 * 4);        \
+      _tile_dpbf16ps(B, 6, 7);                             \
+    }                                                      \
+    _tile_stored(B, (pv) + 16 * (B), 64 * 4);              \
   } while (0)
 
-static void attend_amx(const Args<c10::BFloat16>& a, const std::vector<SeqPack>& packs, const uint32_t* kbuf,
-                       const uint32_t* vbuf, const std::vector<Task>& tasks, int64_t max_rows) {
-  constexpr int MB = 16;  // query rows per block
-  const int64_t D = a.D, C = D / 2, G = a.G, tile_units = TK * C;
-  const int64_t window = a.window;
+// O [16][D] (row stride D) = O * alpha + P [16][keys] . V, the keys the first 16 * nvk of a packed V tile;
+// pv: a 64-byte aligned [16][64] float buffer
+static inline void amx_pv(const uint32_t* pbuf, const uint32_t* vp, float* o, const float* alpha, float* pv,
+                          int64_t D, int nvk) {
+  const int halves = nvk > 2 ? 2 : 1;  // 32 keys each
+  _tile_loadd(4, pbuf, TK * 2);
+  if (halves > 1) _tile_loadd(6, pbuf + 16, TK * 2);
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    const int nd = static_cast<int>(std::min<int64_t>(64, D - d0) / 16);
+    BATCHERY_PV_BLOCK(0, vp + d0, D, halves, pv);
+    if (nd > 1) BATCHERY_PV_BLOCK(1, vp + d0, D, halves, pv);
+    if (nd > 2) BATCHERY_PV_BLOCK(2, vp + d0, D, halves, pv);
+    if (nd > 3) BATCHERY_PV_BLOCK(3, vp + d0, D, halves, pv);
+    for (int i = 0; i < 16; ++i) {
+      const __m512 al = _mm512_set1_ps(alpha[i]);
+      float* orow = o + i * D + d0;
+      const float* prow = pv + i * 64;
+      for (int b = 0; b < nd; ++b)
+        _mm512_storeu_ps(orow + 16 * b,
+                         _mm512_fmadd_ps(_mm512_loadu_ps(orow + 16 * b), al, _mm512_load_ps(prow + 16 * b)));
+    }
+  }
+}
+#endif
+
+// AMX: the products on tiles, 16 query rows a block (BF only, where BATCHERY_AMX is built); else MR rows a block
+// in vector registers
+template <typename T, bool BF, bool AMX>
+static void attend(const Args<T>& a, const std::vector<SeqPack>& packs, const uint32_t* kbuf, const uint32_t* vbuf,
+                   const std::vector<Task>& tasks, int64_t max_rows) {
+  constexpr int RB = AMX ? 16 : MR;  // query rows per block
+  const int64_t D = a.D, C = BF ? D / 2 : D, G = a.G, tile_units = TK * C;
   std::atomic<int64_t> next{0};
   const int64_t ntasks = static_cast<int64_t>(tasks.size());
   const int nthreads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), ntasks));
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
-    amx_configure_16();
-    const int64_t rpad = (max_rows + MB - 1) / MB * MB;
+#ifdef BATCHERY_AMX
+    if constexpr (AMX) amx_configure_16();
+#endif
+    const int64_t rpad = (max_rows + RB - 1) / RB * RB;
     std::vector<uint32_t> qbuf(rpad * C);
-    std::vector<float> obuf(rpad * D), mbuf(rpad), lbuf(rpad), pvbuf(MB * D + 16);
+    std::vector<float> obuf(rpad * D), mbuf(rpad), lbuf(rpad), pvbuf(AMX ? 16 * 64 + 16 : 0);
     std::vector<int64_t> qposbuf(rpad), wlobuf(rpad);
-    alignas(64) float sbuf[MB * TK];
-    alignas(64) uint32_t pbuf[MB * TK / 2];
-    float alpha[MB];
+    alignas(64) float sbuf[RB * TK];
+    alignas(64) uint32_t pbuf[RB * TK];
+    float alpha[RB];
     float* pv = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(pvbuf.data()) + 63) & ~uintptr_t(63));
     for (int64_t ti; (ti = next.fetch_add(1)) < ntasks;) {
       const Task& task = tasks[ti];
       const int64_t* sq = a.seqs + 4 * task.s;
-      const int64_t q_start = sq[0], q_len = sq[1], ctx = sq[2];
-      const int64_t R = (task.i1 - task.i0) * G, Rp = (R + MB - 1) / MB * MB;
+      const int64_t q_len = sq[1], ctx = sq[2];
+      const int64_t R = (task.i1 - task.i0) * G, Rp = (R + RB - 1) / RB * RB;
       const SeqPack& sp = packs[task.s];
       const uint32_t* kt0 = kbuf + (sp.base + task.h * sp.nt) * tile_units;
       const uint32_t* vp0 = vbuf + (sp.base + task.h * sp.nt) * tile_units;
-      for (int64_t r = 0; r < Rp; ++r) {  // rows: token-major, then the query heads of KV head h
-        uint32_t* qr = qbuf.data() + r * C;
-        if (r >= R) {
-          std::fill(qr, qr + C, 0u);
-          qposbuf[r] = -1;
-          wlobuf[r] = 0;
-          continue;
-        }
-        const int64_t i = task.i0 + r / G, hq = task.h * G + r % G;
-        std::memcpy(qr, a.q + (q_start + i) * a.qs_t + hq * a.qs_h, C * sizeof(uint32_t));
-        const int64_t pos = ctx - q_len + i;
-        qposbuf[r] = pos;
-        wlobuf[r] = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-      }
-      std::fill(obuf.begin(), obuf.begin() + Rp * D, 0.f);
-      std::fill(mbuf.begin(), mbuf.begin() + Rp, -INFINITY);
-      std::fill(lbuf.begin(), lbuf.begin() + Rp, 0.f);
+      task_rows<T, BF>(a, task, R, Rp, qbuf.data(), qposbuf.data(), wlobuf.data(), obuf.data(), mbuf.data(),
+                       lbuf.data());
+      // keys this task needs: tiles tlo .. thi - 1
       const int64_t first_lo = wlobuf[0], last_pos = ctx - q_len + task.i1 - 1;
       const int64_t tlo = first_lo / TK, thi = last_pos / TK + 1;
       for (int64_t c0 = tlo; c0 < thi; c0 += CHUNK) {
         const int64_t c1 = std::min(thi, c0 + CHUNK);
-        for (int64_t r0 = 0; r0 < R; r0 += MB) {
-          int64_t hi = -1, lo = INT64_MAX;
-          for (int i = 0; i < MB; ++i)
-            if (qposbuf[r0 + i] >= 0) {
-              hi = std::max(hi, qposbuf[r0 + i] + 1);
-              lo = std::min(lo, wlobuf[r0 + i]);
-            }
-          const int64_t t0 = std::max(c0, lo / TK), t1 = std::min(c1, (hi - 1) / TK + 1);
+        for (int64_t r0 = 0; r0 < R; r0 += RB) {
+          int64_t t0, t1, hi;
+          block_tiles(qposbuf.data() + r0, wlobuf.data() + r0, RB, c0, c1, t0, t1, hi);
           const uint32_t* qr = qbuf.data() + r0 * C;
           for (int64_t t = t0; t < t1; ++t) {
             const int64_t kbase = t * TK;
             const int nvk = static_cast<int>(std::min<int64_t>(TK, hi - kbase) + 15) / 16;
             const uint32_t* kt = kt0 + (t - sp.t0) * tile_units;
             const uint32_t* vp = vp0 + (t - sp.t0) * tile_units;
-            // S [16][64]: tiles 0-3 the four 16-key blocks, 4 the q rows, 5 the keys
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t kc = 0; kc < C; kc += 16) {
-              _tile_loadd(4, qr + kc, C * 4);
-              _tile_loadd(5, kt + kc * TK, TK * 4);
-              _tile_dpbf16ps(0, 4, 5);
-              if (nvk > 1) {
-                _tile_loadd(5, kt + kc * TK + 16, TK * 4);
-                _tile_dpbf16ps(1, 4, 5);
-              }
-              if (nvk > 2) {
-                _tile_loadd(5, kt + kc * TK + 32, TK * 4);
-                _tile_dpbf16ps(2, 4, 5);
-              }
-              if (nvk > 3) {
-                _tile_loadd(5, kt + kc * TK + 48, TK * 4);
-                _tile_dpbf16ps(3, 4, 5);
-              }
-            }
-            _tile_stored(0, sbuf, TK * 4);
-            _tile_stored(1, sbuf + 16, TK * 4);
-            _tile_stored(2, sbuf + 32, TK * 4);
-            _tile_stored(3, sbuf + 48, TK * 4);
-            const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-            const __m512 vscale = _mm512_set1_ps(a.scale);
-            for (int i = 0; i < MB; ++i) {  // online softmax, row by row (as attend's)
-              const int64_t r = r0 + i, qp = qposbuf[r], wl = wlobuf[r];
-              const float* srow = sbuf + i * TK;
-              uint32_t* prow = pbuf + i * (TK / 2);
-              __m512 sv[4];
-              __mmask16 valid[4];
-              __m512 vm = _mm512_set1_ps(-INFINITY);
-              for (int v = 0; v < nvk; ++v) {
-                const __m512i kp = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int>(kbase + 16 * v)));
-                valid[v] = _mm512_cmple_epi32_mask(kp, _mm512_set1_epi32(static_cast<int>(qp))) &
-                           _mm512_cmpge_epi32_mask(kp, _mm512_set1_epi32(static_cast<int>(wl)));
-                sv[v] = _mm512_mul_ps(_mm512_load_ps(srow + 16 * v), vscale);
-                vm = _mm512_mask_max_ps(vm, valid[v], vm, sv[v]);
-              }
-              const float m_old = mbuf[r], m_new = std::max(m_old, _mm512_reduce_max_ps(vm));
-              if (m_new == -INFINITY) {  // nothing to attend in this tile (a padding row, or before its window)
-                alpha[i] = 1.f;
-                std::memset(prow, 0, (TK / 2) * sizeof(uint32_t));
-                continue;
-              }
-              alpha[i] = std::exp(m_old - m_new);
-              mbuf[r] = m_new;
-              const __m512 mv = _mm512_set1_ps(m_new);
-              __m512 sum = _mm512_setzero_ps();
-              __m512 p[4];
-              for (int v = 0; v < nvk; ++v) {
-                p[v] = _mm512_maskz_mov_ps(valid[v], ::exp16(_mm512_sub_ps(sv[v], mv)));
-                sum = _mm512_add_ps(sum, p[v]);
-              }
-              lbuf[r] = lbuf[r] * alpha[i] + _mm512_reduce_add_ps(sum);
-              for (int v = 0; v < 4; v += 2) {  // all 64 keys: the ones past nvk are 0
-                const __m512 lo2 = v < nvk ? p[v] : _mm512_setzero_ps();
-                const __m512 hi2 = v + 1 < nvk ? p[v + 1] : _mm512_setzero_ps();
-                _mm512_storeu_si512(prow + 8 * v, (__m512i)_mm512_cvtne2ps_pbh(hi2, lo2));
-              }
-            }
-            // P V, 64 dims (4 tiles of 16) at a time: tiles 0-3 the products, 4 and 6 P, 5 and 7 V
-            const int halves = nvk > 2 ? 2 : 1;  // 32 keys each
-            _tile_loadd(4, pbuf, TK * 2);
-            if (halves > 1) _tile_loadd(6, pbuf + 16, TK * 2);
             float* o = obuf.data() + r0 * D;
-            for (int64_t d0 = 0; d0 < D; d0 += 64) {
-              const int nd = static_cast<int>(std::min<int64_t>(64, D - d0) / 16);
-              BATCHERY_PV_BLOCK(0, vp + d0, D, halves, pv);
-              if (nd > 1) BATCHERY_PV_BLOCK(1, vp + d0, D, halves, pv);
-              if (nd > 2) BATCHERY_PV_BLOCK(2, vp + d0, D, halves, pv);
-              if (nd > 3) BATCHERY_PV_BLOCK(3, vp + d0, D, halves, pv);
-              for (int i = 0; i < MB; ++i) {
-                const __m512 al = _mm512_set1_ps(alpha[i]);
-                float* orow = o + i * D + d0;
-                const float* prow = pv + i * 64;
-                for (int b = 0; b < nd; ++b)
-                  _mm512_storeu_ps(orow + 16 * b,
-                                   _mm512_fmadd_ps(_mm512_loadu_ps(orow + 16 * b), al, _mm512_load_ps(prow + 16 * b)));
-              }
+#ifdef BATCHERY_AMX
+            if constexpr (AMX) amx_qk(qr, kt, sbuf, C, nvk);
+#endif
+            if constexpr (!AMX) qk_dispatch<BF>(nvk, qr, kt, sbuf, C);
+            for (int i = 0; i < RB; ++i)  // online softmax, row by row
+              softmax_row<BF>(sbuf + i * TK, pbuf + i * (BF ? TK / 2 : TK), kbase, nvk, qposbuf[r0 + i], wlobuf[r0 + i],
+                              a.scale, mbuf[r0 + i], lbuf[r0 + i], alpha[i]);
+#ifdef BATCHERY_AMX
+            if constexpr (AMX) amx_pv(pbuf, vp, o, alpha, pv, D, nvk);
+#endif
+            if constexpr (!AMX) {
+              const int64_t nk = BF ? nvk * 8 : nvk * 16;
+              int64_t d0 = 0;
+              for (; d0 + 64 <= D; d0 += 64) pv_tile<BF, 4>(pbuf, vp + d0, o + d0, alpha, D, nk);
+              if (d0 < D) pv_tile<BF, 2>(pbuf, vp + d0, o + d0, alpha, D, nk);
             }
           }
         }
       }
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t i = task.i0 + r / G, hq = task.h * G + r % G;
-        c10::BFloat16* dst = a.out + (q_start + i) * a.os_t + hq * a.os_h;
-        const float inv = lbuf[r] > 0.f ? 1.f / lbuf[r] : 0.f;
-        const float* o = obuf.data() + r * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(o[d] * inv);
-      }
+      write_rows(a, task, R, obuf.data(), lbuf.data());
     }
-    _tile_release();
+#ifdef BATCHERY_AMX
+    if constexpr (AMX) _tile_release();
+#endif
   });
 }
-#endif
 
 template <typename T, bool BF>
 static void run(const Args<T>& a) {
@@ -644,12 +588,12 @@ static void run(const Args<T>& a) {
 #ifdef BATCHERY_AMX
   if constexpr (BF) {
     if (g_use_amx.load(std::memory_order_relaxed) && amx_permitted()) {
-      attend_amx(a, packs, kb, vb, tasks, qt * a.G);
+      attend<T, BF, true>(a, packs, kb, vb, tasks, qt * a.G);
       return;
     }
   }
 #endif
-  attend<T, BF>(a, packs, kb, vb, tasks, qt * a.G);
+  attend<T, BF, false>(a, packs, kb, vb, tasks, qt * a.G);
 }
 #endif
 
