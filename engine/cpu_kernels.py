@@ -27,7 +27,7 @@ from pathlib import Path
 
 log = logging.getLogger("batchery.engine.kernels")
 
-NAME = "batchery_cpu_kernels_v23"  # bump when the source changes (the build cache is keyed by it)
+NAME = "batchery_cpu_kernels_v24"  # bump when the source changes (the build cache is keyed by it)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -793,12 +793,14 @@ void store_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v
 #ifdef __AVX512BF16__
 // y[i, n] = sum_k x[i, k] w[n, k]; wp is the weight packed as uint32 [K/2, N]: (w[n][2k], w[n][2k+1]).
 // Same 6 x 64 register tile as the fp32 kernel; vdpbf16ps multiplies a pair of k per lane.
-// fp32 -> bf16 as torch's vectorized CPU conversion rounds (to nearest, ties to even; a NaN becomes 0xFFFF), 16 lanes
+// fp32 -> bf16 as torch's vectorized CPU conversion rounds (to nearest, ties to even; a NaN becomes 0xFFFF), 16 lanes;
+// NaN_BITS 0x7FC0: as cpu_fused rounds (its vbf16_bits)
+template <int NaN_BITS = 0xFFFF>
 static inline __m256i bf16_round16(__m512 v) {
   const __m512i b = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0xFFFF));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(NaN_BITS));
   return _mm512_cvtepi32_epi16(r);
 }
 
@@ -962,23 +964,11 @@ static inline void amx_block(const uint16_t* x, int64_t K, const char* w0, int64
   }
 }
 
-// Tasks are (row chunk of up to kChunk rows, column pair): a chunk's x (up to 256 x K bf16) stays in L2 while
-// the column pairs stream past it; decode steps (one chunk) read every weight once. A task's sums go to a buffer
-// and are rounded to bf16 after its last tile multiply: read back right after each block's tile stores, they
-// stalled every block (the rounding's cost doubled: 550-740 GFLOPS at 64-955 rows with it there, 800-900 without).
 // SiLU(gate) * up as the fused MLP computes it from the two projections' bf16 outputs (cpu_fused's silu_mul):
 // gate and up each rounded to bf16 as linear_amx stores them, SiLU by an exact division rounded to bf16 (a NaN as
 // cpu_fused rounds it, 0x7FC0), the product rounded once more. Returns the product's bf16 bits.
 static inline __m512 amx_bf16_as_float(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-static inline __m256i amx_round_fused(__m512 v) {  // cpu_fused's vbf16_bits (NaN -> 0x7FC0), narrowed
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                _mm512_set1_epi32(0x7F800000));
-  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0)));
 }
 static inline __m256i amx_silu_mul16(__m512 gate_sum, __m512 up_sum) {
   const __m512 g = amx_bf16_as_float(bf16_round16(gate_sum)), u = amx_bf16_as_float(bf16_round16(up_sum));
@@ -987,9 +977,13 @@ static inline __m256i amx_silu_mul16(__m512 gate_sum, __m512 up_sum) {
   const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), e);
   __m512 q;
   __asm__("vdivps %2, %1, %0" : "=v"(q) : "v"(g), "v"(d));  // exact (-ffast-math may not turn it into rcp)
-  return amx_round_fused(_mm512_mul_ps(amx_bf16_as_float(amx_round_fused(q)), u));
+  return bf16_round16<0x7FC0>(_mm512_mul_ps(amx_bf16_as_float(bf16_round16<0x7FC0>(q)), u));
 }
 
+// Tasks are (row chunk of up to kChunk rows, column pair): a chunk's x (up to 256 x K bf16) stays in L2 while
+// the column pairs stream past it; decode steps (one chunk) read every weight once. A task's sums go to a buffer
+// and are rounded to bf16 after its last tile multiply: read back right after each block's tile stores, they
+// stalled every block (the rounding's cost doubled: 550-740 GFLOPS at 64-955 rows with it there, 800-900 without).
 // SILU: the weight is gate and up interleaved by 16-column blocks (pack_amx_gate_up), so a column pair holds a
 // block of each and the output [M, N / 2] is SiLU(gate) * up, written without the two projections' outputs
 template <bool SILU>

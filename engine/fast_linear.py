@@ -437,9 +437,6 @@ def install(model: torch.nn.Module, max_rows: int | None = None, calibration_cac
     return count
 
 
-GateUp = Callable[[torch.Tensor], torch.Tensor]  # x [..., hidden] bf16 -> SiLU(gate_proj(x)) * up_proj(x)
-
-
 def _install_gate_up(model: torch.nn.Module, kernel: types.ModuleType) -> int:
     """Give each MLP whose ``gate_proj`` and ``up_proj`` run on the AMX kernel a ``_batchery_gate_up``: both
     projections and SiLU(gate) * up in one pass over a weight that interleaves them (``pack_amx_gate_up``, one more

@@ -8,7 +8,7 @@ once into the layouts its register tiles read, serves all query heads of a KV he
 (GQA), and keeps fp32 running max / sum / accumulators (flash-style online softmax). bf16 uses
 AVX512-BF16 dot products where the CPU has them, fp32 conversion otherwise; on CPUs with AMX-BF16 its two
 products (Q K^T and P V) run on tiles read straight from the same packed K/V, 16 query rows a block
-(``attend_amx``: 2.6-4x the ``vdpbf16ps`` pass per layer on the 2-core AMX Xeon, 0.8 against 2.2 ms for a
+(``attend`` with its AMX flag: 2.6-4x the ``vdpbf16ps`` pass per layer on the 2-core AMX Xeon, 0.8 against 2.2 ms for a
 1024-token step of four 200-300-token prompts, 2.5 against 10.2 ms for three 340-token chunks of 700-token
 contexts).
 
