@@ -27,7 +27,7 @@ from pathlib import Path
 
 log = logging.getLogger("batchery.engine.kernels")
 
-NAME = "batchery_cpu_kernels_v24"  # bump when the source changes (the build cache is keyed by it)
+NAME = "batchery_cpu_kernels_v25"  # bump when the source changes (the build cache is keyed by it)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -532,11 +532,27 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Tensor b
 // EPYC (where MKL takes a generic path) this ran at 1.3-2x MKL's sgemm for 1 to 256 rows; on an
 // Intel Xeon MKL is faster at 64 rows and more. engine/fast_linear.py times both at load.
 
-typedef float vf16 __attribute__((vector_size(64)));
-typedef float vf16u __attribute__((vector_size(64), aligned(4), may_alias));
+// Columns a register tile spans, in 16-column groups (tile_nv), and the width of its vectors. With AVX-512 a tile is
+// 6 x 64: 24 of the 32 registers. With AVX2's 16 registers of 8 floats it is 6 x 16 (12 accumulators, as BLIS's
+// Haswell kernel) and a 64-column panel is four of them over the same rows of x while they are in L1; its vectors
+// are 32 bytes, because GCC keeps a 64-byte vector type in memory there (moved through general registers: 8 GFLOPS
+// on a Zen 3 core, MKL's 100).
+#ifdef __AVX512F__
+#define BATCHERY_VBYTES 64
+static inline int64_t tile_nv(int64_t /*mb*/) { return 4; }
+#else
+#define BATCHERY_VBYTES 32
+// one or two rows (an LM head's single sequence): the panel in one pass, whose weight then streams in order
+static inline int64_t tile_nv(int64_t mb) { return mb == 1 ? 4 : mb == 2 ? 2 : 1; }
+#endif
+static constexpr int kLanes = BATCHERY_VBYTES / 4;
+static constexpr int kPer = 16 / kLanes;  // vectors in a 16-column group
 
-static inline vf16 load16(const float* p) { return *reinterpret_cast<const vf16u*>(p); }
-static inline void store16(float* p, vf16 v) { *reinterpret_cast<vf16u*>(p) = v; }
+typedef float vfn __attribute__((vector_size(BATCHERY_VBYTES)));
+typedef float vfnu __attribute__((vector_size(BATCHERY_VBYTES), aligned(4), may_alias));
+
+static inline vfn loadv(const float* p) { return *reinterpret_cast<const vfnu*>(p); }
+static inline void storev(float* p, vfn v) { *reinterpret_cast<vfnu*>(p) = v; }
 
 // A tile kernel computes out[i, n0 : n0 + 16 * NV] for i < MB over kl steps of k:
 // struct { using X = ...; template <int MB, int NV> static void run(x, w, out, kl, ldw, N, n0); }
@@ -544,7 +560,9 @@ static inline void store16(float* p, vf16 v) { *reinterpret_cast<vf16u*>(p) = v;
 // out float [*, N].
 struct TileF32 {
   static constexpr bool kStrided = true;  // reads a transposed weight (rows a stride of N apart) unless in panels
+  static constexpr int64_t kXPerK = 1;    // elements of x per k step (a row of x is kl * kXPerK elements)
   using X = float;
+  using W = float;
   using O = float;  // the output's element type (bias: added by the caller, never passed here)
   // PF: the panel's k rows are read from memory for the first time (the first row tile of a panel, transposed
   // weight): each is prefetched kPrefetchK rows ahead, since rows a stride of N apart defeat the hardware prefetcher
@@ -552,34 +570,35 @@ struct TileF32 {
   static inline void run(const float* __restrict x, const float* __restrict w, float* __restrict out,
                          int64_t K, int64_t ldw, int64_t N, int64_t n0, const float* /*bias*/) {
     constexpr int64_t kPrefetchK = 24;
-    vf16 acc[MB][NV];
+    constexpr int NVEC = NV * kPer;
+    vfn acc[MB][NVEC];
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 8
-      for (int v = 0; v < NV; ++v) acc[i][v] = vf16{};
+      for (int v = 0; v < NVEC; ++v) acc[i][v] = vfn{};
     for (int64_t k = 0; k < K; ++k, w += ldw) {
       if (PF && k + kPrefetchK < K)
 #pragma GCC unroll 8
         for (int v = 0; v < NV; ++v) __builtin_prefetch(w + kPrefetchK * ldw + 16 * v);
-      vf16 wv[NV];
+      vfn wv[NVEC];
 #pragma GCC unroll 8
-      for (int v = 0; v < NV; ++v) wv[v] = load16(w + 16 * v);
+      for (int v = 0; v < NVEC; ++v) wv[v] = loadv(w + kLanes * v);
 #pragma GCC unroll 8
       for (int i = 0; i < MB; ++i) {
         const float xs = x[i * K + k];
 #pragma GCC unroll 8
-        for (int v = 0; v < NV; ++v) acc[i][v] += xs * wv[v];
+        for (int v = 0; v < NVEC; ++v) acc[i][v] += xs * wv[v];
       }
     }
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 8
-      for (int v = 0; v < NV; ++v) store16(out + i * N + n0 + 16 * v, acc[i][v]);
+      for (int v = 0; v < NVEC; ++v) storev(out + i * N + n0 + kLanes * v, acc[i][v]);
   }
 };
 
 template <typename Tile, int NV, bool PF>
-static inline void tile_rows(int64_t mb, const typename Tile::X* x, const typename Tile::X* w,
+static inline void tile_rows(int64_t mb, const typename Tile::X* x, const typename Tile::W* w,
                              typename Tile::O* out, int64_t kl, int64_t ldw, int64_t N, int64_t n0,
                              const float* bias) {
   switch (mb) {
@@ -593,10 +612,10 @@ static inline void tile_rows(int64_t mb, const typename Tile::X* x, const typena
 }
 
 template <typename Tile, bool PF>
-static inline void tile_cols(int64_t mb, const typename Tile::X* x, const typename Tile::X* w,
+static inline void tile_cols(int64_t mb, const typename Tile::X* x, const typename Tile::W* w,
                              typename Tile::O* out, int64_t kl, int64_t ldw, int64_t N, int64_t n0,
                              const float* bias) {
-  switch ((N - n0) >= 64 ? 4 : (N - n0) / 16) {
+  switch (std::min<int64_t>(tile_nv(mb), (N - n0) / 16)) {
     case 4: tile_rows<Tile, 4, PF>(mb, x, w, out, kl, ldw, N, n0, bias); break;
     case 3: tile_rows<Tile, 3, PF>(mb, x, w, out, kl, ldw, N, n0, bias); break;
     case 2: tile_rows<Tile, 2, PF>(mb, x, w, out, kl, ldw, N, n0, bias); break;
@@ -609,22 +628,26 @@ static inline void tile_cols(int64_t mb, const typename Tile::X* x, const typena
 // contiguous, which wide layers (an LM head: N in the tens of thousands) need. Read with a stride of N, every
 // k row of a panel is on its own page; contiguous, the panel streams (2-2.5x at 8-64 rows on the AMD VM).
 template <typename Tile>
-static void tiled_linear(const typename Tile::X* x, const typename Tile::X* w, typename Tile::O* out, int64_t M,
+static void tiled_linear(const typename Tile::X* x, const typename Tile::W* w, typename Tile::O* out, int64_t M,
                          int64_t kl, int64_t N, bool panels = false, const float* bias = nullptr) {
   const int64_t npanels = (N + 63) / 64, mtiles = (M + 5) / 6;
   at::parallel_for(0, npanels * mtiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t p = t / mtiles, mt = t % mtiles;
-      const int64_t n0 = p * 64, m0 = mt * 6, mb = M - m0 < 6 ? M - m0 : 6;
-      const auto* xp = x + m0 * kl;
+      const int64_t m0 = mt * 6, mb = M - m0 < 6 ? M - m0 : 6;
+      const auto* xp = x + m0 * kl * Tile::kXPerK;
       auto* op = out + m0 * N;
-      const auto* wp = panels ? w + p * kl * 64 : w + n0;
       const int64_t ldw = panels ? 64 : N;
       // a transposed weight's panel, first read by this thread: its rows prefetched (panels stream by themselves)
-      if (!panels && Tile::kStrided && (t == t0 || mt == 0))
-        tile_cols<Tile, true>(mb, xp, wp, op, kl, ldw, N, n0, bias);
-      else
-        tile_cols<Tile, false>(mb, xp, wp, op, kl, ldw, N, n0, bias);
+      const bool first = !panels && Tile::kStrided && (t == t0 || mt == 0);
+      for (int64_t c = 0; c < 64 && p * 64 + c < N; c += 16 * tile_nv(mb)) {  // one pass where a tile spans it
+        const int64_t n0 = p * 64 + c;
+        const auto* wp = panels ? w + p * kl * 64 + c : w + n0;
+        if (first)
+          tile_cols<Tile, true>(mb, xp, wp, op, kl, ldw, N, n0, bias);
+        else
+          tile_cols<Tile, false>(mb, xp, wp, op, kl, ldw, N, n0, bias);
+      }
     }
   });
 }
@@ -786,9 +809,11 @@ void store_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v
   });
 }
 
-// ---- bf16 linear (AVX512-BF16) -----------------------------------------------------------------
-// On CPUs with AVX512-BF16 and a compiler that targets it (-march=native); elsewhere
-// has_bf16_linear() is false and torch (oneDNN) keeps every bf16 linear.
+// ---- bf16 linear ---------------------------------------------------------------------------------
+// On CPUs with AVX512-BF16 (and a compiler that targets it, -march=native): vdpbf16ps. Elsewhere with AVX2 or
+// AVX-512 (TileBF16W): each weight pair is widened to two fp32 vectors by shifts, exact, and multiplied in fp32 with
+// FMAs; the weight is still read as bf16, half the bytes of fp32, which is what decode steps wait for. Without
+// either, has_bf16_linear() is false and torch keeps every bf16 linear.
 
 #ifdef __AVX512BF16__
 // y[i, n] = sum_k x[i, k] w[n, k]; wp is the weight packed as uint32 [K/2, N]: (w[n][2k], w[n][2k+1]).
@@ -806,7 +831,9 @@ static inline __m256i bf16_round16(__m512 v) {
 
 struct TileBF16 {
   static constexpr bool kStrided = false;
+  static constexpr int64_t kXPerK = 1;
   using X = uint32_t;  // a pair of bf16
+  using W = uint32_t;
   using O = uint16_t;  // bf16 bits: the fp32 sums (+ bias) are rounded once, as out.to(bf16) would round them
   template <int MB, int NV, bool /*PF: never, the weight is always in panels*/>
   static inline void run(const uint32_t* __restrict x, const uint32_t* __restrict w, uint16_t* __restrict out,
@@ -842,10 +869,62 @@ struct TileBF16 {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * N + n0 + 16 * v), bf16_round16(acc[i][v]));
   }
 };
+#elif defined(__AVX2__) || defined(__AVX512F__)
+#define BATCHERY_BF16_WIDEN 1
+typedef uint32_t vun __attribute__((vector_size(BATCHERY_VBYTES)));
+typedef uint32_t vunu __attribute__((vector_size(BATCHERY_VBYTES), aligned(4), may_alias));
+typedef uint16_t vhnu __attribute__((vector_size(BATCHERY_VBYTES / 2), aligned(2), may_alias));
+
+// y[i, n] = sum_k x[i, k] w[n, k] with x already fp32 ([MB, 2 * K2]) and wp packed as pack_bf16 packs it; the
+// sums rounded once to bf16 as torch's conversion rounds them (to nearest, ties to even; a NaN becomes 0xFFFF).
+struct TileBF16 {
+  static constexpr bool kStrided = false;
+  static constexpr int64_t kXPerK = 2;  // x is fp32: two elements per pair of k
+  using X = float;
+  using W = uint32_t;  // a pair of bf16: w[n][2k] in the low half, w[n][2k + 1] in the high
+  using O = uint16_t;
+  template <int MB, int NV, bool /*PF: never, the weight is always in panels*/>
+  static inline void run(const float* __restrict x, const uint32_t* __restrict w, uint16_t* __restrict out,
+                         int64_t K2, int64_t ldw, int64_t N, int64_t n0, const float* bias) {
+    constexpr int NVEC = NV * kPer;
+    const int64_t K = 2 * K2;
+    vfn acc[MB][NVEC];
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+      for (int v = 0; v < NVEC; ++v) acc[i][v] = vfn{};
+    for (int64_t k = 0; k < K2; ++k, w += ldw) {
+      vfn lo[NVEC], hi[NVEC];
+#pragma GCC unroll 8
+      for (int v = 0; v < NVEC; ++v) {
+        const vun raw = *reinterpret_cast<const vunu*>(w + kLanes * v);
+        lo[v] = reinterpret_cast<vfn>(raw << 16);  // bf16 -> fp32 is exact: the bits moved up
+        hi[v] = reinterpret_cast<vfn>(raw & 0xFFFF0000u);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < MB; ++i) {
+        const float x0 = x[i * K + 2 * k], x1 = x[i * K + 2 * k + 1];
+#pragma GCC unroll 8
+        for (int v = 0; v < NVEC; ++v) acc[i][v] += x0 * lo[v] + x1 * hi[v];
+      }
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < NVEC; ++v) {
+      const vfn bv = bias != nullptr ? loadv(bias + n0 + kLanes * v) : vfn{};
+#pragma GCC unroll 8
+      for (int i = 0; i < MB; ++i) {
+        const vun b = reinterpret_cast<vun>(acc[i][v] + bv);
+        const vun r = (b + ((b >> 16) & 1u) + 0x7FFFu) >> 16;
+        const vun nan = (b & 0x7FFFFFFFu) > 0x7F800000u;  // on the bits: -ffast-math folds float NaN tests away
+        *reinterpret_cast<vhnu*>(out + i * N + n0 + kLanes * v) = __builtin_convertvector(nan ? 0xFFFFu : r, vhnu);
+      }
+    }
+  }
+};
 #endif
 
 bool has_bf16_linear() {
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || defined(BATCHERY_BF16_WIDEN)
   return true;
 #else
   return false;
@@ -865,7 +944,7 @@ at::Tensor pack_bf16(at::Tensor w) {
 
 // y = x @ w.T (+ bias) with w from pack_bf16; n: w's out_features
 at::Tensor linear_bf16(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at::Tensor> bias) {
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || defined(BATCHERY_BF16_WIDEN)
   TORCH_CHECK(wp.dim() == 3 && wp.size(2) == 64 && wp.is_contiguous() && wp.scalar_type() == at::kInt &&
                   n % 16 == 0 && n <= wp.size(0) * 64 && n > (wp.size(0) - 1) * 64,
               "linear_bf16: the weight must come from pack_bf16");
@@ -881,14 +960,19 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at:
     bias_f = bias->to(at::kFloat).contiguous();
   }
   auto out = at::empty({M, N}, xf.options());  // bf16, written by the tiles
-  tiled_linear<TileBF16>(reinterpret_cast<const uint32_t*>(xf.data_ptr()),
-                         reinterpret_cast<const uint32_t*>(wp.data_ptr()),
+#ifdef __AVX512BF16__
+  const auto* xp = reinterpret_cast<const uint32_t*>(xf.data_ptr());
+#else
+  const auto xw = xf.to(at::kFloat);  // exact; M x K, read by every column panel
+  const float* xp = xw.data_ptr<float>();
+#endif
+  tiled_linear<TileBF16>(xp, reinterpret_cast<const uint32_t*>(wp.data_ptr()),
                          reinterpret_cast<uint16_t*>(out.data_ptr()), M, K2, N, true,
                          bias_f.defined() ? bias_f.data_ptr<float>() : nullptr);
   xs.back() = N;
   return out.view(xs);
 #else
-  TORCH_CHECK(false, "linear_bf16: built without AVX512-BF16");
+  TORCH_CHECK(false, "linear_bf16: built without AVX2, AVX-512 or AVX512-BF16");
   return x;
 #endif
 }

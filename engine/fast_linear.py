@@ -15,8 +15,11 @@ kernel stopped winning.
   (``pack_panels``), each contiguous. Read transposed, a 49k-wide head puts every k row of a panel on its own
   page; in panels it streams, 1.4-2.6x faster at 8-64 rows on the AMD VM. ``weight`` is kept as it is, so a
   head tied to the embedding stays tied (one extra copy, as the untied transposed copy was before).
-- bf16 (CPUs with AVX512-BF16): the kernel reads a packed copy of the weight (pairs along ``in``, in 64-column
-  panels); ``weight`` is kept for the row counts torch handles, so routed bf16 layers hold their weights twice.
+- bf16: the kernel reads a packed copy of the weight (pairs along ``in``, in 64-column panels); ``weight`` is kept
+  for the row counts torch handles, so routed bf16 layers hold their weights twice. With AVX512-BF16 it multiplies
+  pairs with ``vdpbf16ps``; with AVX2 or AVX-512 alone it widens each pair to fp32 by shifts (exact) and uses FMAs,
+  still reading half the bytes of an fp32 weight. On the 2-core AVX2 EPYC (Zen 3) that was 2-8x torch's bf16
+  matmul (which has no native path there) at 1-256 rows on SmolLM2's shapes.
 - bf16 on CPUs with AMX-BF16 (and Linux granting the tile state), layers whose sides are multiples of 32: the
   kernel is ``linear_amx`` on a copy packed into 1 KB tiles (``pack_amx``), a tile multiply (``tdpbf16ps``) doing
   8,192 multiply-adds; on the 2-core AMX Xeon it ran 2-3 TFLOPS on SmolLM2's layers with their weights in cache,
@@ -26,9 +29,10 @@ kernel stopped winning.
   but no AVX512-BF16) a second route is calibrated the same way: oneDNN's matmul on a copy of the weight
   reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, as torch's inductor
   packs frozen weights; on AMX CPUs oneDNN's bf16 runs on the tiles). ``F.linear`` packs nothing and, for fp32,
-  calls MKL. On a 2-core AVX2 EPYC, where our fp32 kernel loses at every row count but 1, the packed oneDNN
-  matmul was 1.25-2x faster than ``F.linear`` at 8-256 rows. A layer routed to it holds its weight twice.
-  Where this torch or CPU has no such path (bf16 on AVX2) the route is never calibrated.
+  calls MKL. A layer routed to it holds its weight twice. Where this torch or CPU has no such path (bf16 on
+  AVX2) the route is never calibrated.
+- On AVX2 (no AVX-512) the register tile is 6 x 16 of 8-float vectors: until 2026-12-03 it was written with 64-byte
+  vectors, which GCC keeps in memory on AVX2 (8 GFLOPS on a Zen 3 core), so MKL and oneDNN won everywhere there.
 
 It is installed on the loaded model itself, so everything that runs the model (the engine, and the
 HF baselines in our benchmarks) uses the same kernels. Set ``BATCHERY_CPU_KERNELS=0`` to keep torch.

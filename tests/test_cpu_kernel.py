@@ -145,7 +145,7 @@ def test_fast_linear_bf16_matches_torch(rows, bias):
     from batchery.engine import fast_linear
 
     if not cpu_paged.load().has_bf16_linear():
-        pytest.skip("this CPU (or compiler) has no AVX512-BF16: bf16 linears stay on torch")
+        pytest.skip("this CPU (or compiler) has no bf16 linear kernel (AVX2, AVX-512): bf16 linears stay on torch")
     torch.manual_seed(rows)
     lin = torch.nn.Linear(96, 80, bias=bias).to(torch.bfloat16)
     x = torch.randn(3, rows, 96).to(torch.bfloat16)
@@ -280,7 +280,7 @@ def test_linear_bf16_rounds_its_sums_as_torch_does(bias, amx):
     values between bf16 steps are frequent."""
     kernel = _amx_kernel() if amx else cpu_paged.load()
     if not kernel.has_bf16_linear():
-        pytest.skip("this CPU (or compiler) has no AVX512-BF16: bf16 linears stay on torch")
+        pytest.skip("this CPU (or compiler) has no bf16 linear kernel (AVX2, AVX-512): bf16 linears stay on torch")
     g = torch.Generator().manual_seed(1)
     n, k, rows = (96 if amx else 80), 64, 13
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
