@@ -555,9 +555,9 @@ static inline vfn loadv(const float* p) { return *reinterpret_cast<const vfnu*>(
 static inline void storev(float* p, vfn v) { *reinterpret_cast<vfnu*>(p) = v; }
 
 // A tile kernel computes out[i, n0 : n0 + 16 * NV] for i < MB over kl steps of k:
-// struct { using X = ...; template <int MB, int NV> static void run(x, w, out, kl, ldw, N, n0); }
-// with x [MB, kl], w the tile's first weight column, its k rows ldw elements apart (elements of type X),
-// out float [*, N].
+// struct { using X, W, O = ...; kXPerK; template <int MB, int NV, bool PF> static void run(x, w, out, kl, ldw, N,
+// n0, bias); } with x [MB, kl * kXPerK] of X, w the tile's first weight column, its k rows ldw elements of W apart,
+// out [*, N] of O.
 struct TileF32 {
   static constexpr bool kStrided = true;  // reads a transposed weight (rows a stride of N apart) unless in panels
   static constexpr int64_t kXPerK = 1;    // elements of x per k step (a row of x is kl * kXPerK elements)
@@ -811,9 +811,9 @@ void store_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v
 
 // ---- bf16 linear ---------------------------------------------------------------------------------
 // On CPUs with AVX512-BF16 (and a compiler that targets it, -march=native): vdpbf16ps. Elsewhere with AVX2 or
-// AVX-512 (TileBF16W): each weight pair is widened to two fp32 vectors by shifts, exact, and multiplied in fp32 with
-// FMAs; the weight is still read as bf16, half the bytes of fp32, which is what decode steps wait for. Without
-// either, has_bf16_linear() is false and torch keeps every bf16 linear.
+// AVX-512 (the second TileBF16): each weight pair is widened to two fp32 vectors by shifts, exact, and multiplied
+// in fp32 with FMAs; the weight is still read as bf16, half the bytes of fp32, which is what decode steps wait
+// for. Without either, has_bf16_linear() is false and torch keeps every bf16 linear.
 
 #ifdef __AVX512BF16__
 // y[i, n] = sum_k x[i, k] w[n, k]; wp is the weight packed as uint32 [K/2, N]: (w[n][2k], w[n][2k+1]).
