@@ -27,7 +27,7 @@ from pathlib import Path
 
 log = logging.getLogger("batchery.engine.kernels")
 
-NAME = "batchery_cpu_kernels_v27"  # bump when the source changes (the build cache is keyed by it)
+NAME = "batchery_cpu_kernels_v28"  # bump when the source changes (the build cache is keyed by it)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -38,6 +38,7 @@ _SOURCE = r"""
 #include <immintrin.h>
 #include <limits>
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 #include <vector>
 
@@ -375,7 +376,14 @@ static void decode_avx512(const DecodeArgs<T>& args) {
   const T* vp = a.vp;
   const float cap = a.cap;
   const int64_t row_bytes = a.hper * D * static_cast<int64_t>(sizeof(T));
-  at::parallel_for(0, a.num_tasks(), 1, [=](int64_t begin, int64_t end) {
+  // Tasks are claimed one at a time, each thread holding the next one it will run (whose first rows it prefetches):
+  // sequences differ in length, so a static split of the tasks left one thread waiting for the other. On the Zen 5
+  // EPYC, 57 sequences of 100-300 tokens, 30 layers, the two builds alternated 15 times in one process: 20.3 / 23.3 ms
+  // (best / median) against 23.4 / 25.7 ms.
+  const int64_t ntasks = a.num_tasks();
+  std::atomic<int64_t> counter{0};
+  std::atomic<int64_t>* claim = &counter;
+  at::parallel_for(0, std::min<int64_t>(ntasks, at::get_num_threads()), 1, [=](int64_t, int64_t) {
     std::vector<float> qbuf(H * D), accbuf(H * D), mxbuf(H), sumbuf(H);
     std::vector<int64_t> rowbuf(maxb * bs);
     float* __restrict qf = qbuf.data();
@@ -385,7 +393,8 @@ static void decode_avx512(const DecodeArgs<T>& args) {
     int64_t* __restrict rows = rowbuf.data();
     alignas(64) float pr[GB][CH];
     DecodeTask t;
-    for (int64_t idx = begin; idx < end; ++idx) {
+    for (int64_t idx = claim->fetch_add(1), nxt; idx < ntasks; idx = nxt) {
+      nxt = claim->fetch_add(1);
       if (!decode_task(a, idx, t)) continue;
       const int64_t b = t.b, h0 = t.h0, nq = t.nq, start = t.start, len = t.len;
       const int64_t hq0 = h0 * G;
@@ -403,7 +412,7 @@ static void decode_avx512(const DecodeArgs<T>& args) {
       }
       prefetch_rows(kp, rows, len < PF ? len : PF, row_bytes);
       prefetch_rows(vp, rows, len < PF ? len : PF, row_bytes);
-      if (idx + 1 < end) prefetch_task_start(a, idx + 1, PF, row_bytes);
+      if (nxt < ntasks) prefetch_task_start(a, nxt, PF, row_bytes);
       for (int64_t c = 0; c < len; c += CH) {
         const int nj = len - c < CH ? static_cast<int>(len - c) : CH;
         const int64_t* row = rows + c;
