@@ -27,7 +27,7 @@ from pathlib import Path
 
 log = logging.getLogger("batchery.engine.kernels")
 
-NAME = "batchery_cpu_kernels_v28"  # bump when the source changes (the build cache is keyed by it)
+NAME = "batchery_cpu_kernels_v30"  # bump when the source changes (the build cache is keyed by it)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -575,7 +575,8 @@ struct NextPanel {
   int64_t line = 0, stop = 0;  // the lines still to fetch: line l is at base + (l / 4) * ld + (l % 4) * 64
   int per_k = 0;               // lines fetched per k step of the tile
   inline void step() {
-    for (int i = 0; i < per_k && line < stop; ++i, ++line) __builtin_prefetch(base + (line >> 2) * ld + (line & 3) * 64, 0, 2);
+    for (int i = 0; i < per_k && line < stop; ++i, ++line)
+      __builtin_prefetch(base + (line >> 2) * ld + (line & 3) * 64, 0, 2);
   }
 };
 
@@ -586,6 +587,7 @@ struct NextPanel {
 struct TileF32 {
   static constexpr bool kStrided = true;  // reads a transposed weight (rows a stride of N apart) unless in panels
   static constexpr int64_t kXPerK = 1;    // elements of x per k step (a row of x is kl * kXPerK elements)
+  static constexpr int64_t kOutDiv = 1;   // output columns per weight column, inverted (2: a SiLU(gate) * up tile)
   using X = float;
   using W = float;
   using O = float;  // the output's element type (bias: added by the caller, never passed here)
@@ -662,7 +664,7 @@ static void tiled_linear(const typename Tile::X* x, const typename Tile::W* w, t
       const int64_t p = t / mtiles, mt = t % mtiles;
       const int64_t m0 = mt * 6, mb = M - m0 < 6 ? M - m0 : 6;
       const auto* xp = x + m0 * kl * Tile::kXPerK;
-      auto* op = out + m0 * N;
+      auto* op = out + m0 * (N / Tile::kOutDiv);
       const int64_t ldw = panels ? 64 : N;
       // a transposed weight's panel, first read by this thread: its rows prefetched (panels stream by themselves)
       const bool first = !panels && Tile::kStrided && (t == t0 || mt == 0);
@@ -872,9 +874,29 @@ static inline __m256i bf16_round16(__m512 v) {
   return _mm512_cvtepi32_epi16(r);
 }
 
-struct TileBF16 {
+// SiLU(gate) * up as the fused MLP computes it from the two projections' bf16 outputs (cpu_fused's silu_mul):
+// gate and up each rounded to bf16 as linear_bf16 and linear_amx store them, SiLU by an exact division rounded to
+// bf16 (a NaN as cpu_fused rounds it, 0x7FC0), the product rounded once more. Returns the product's bf16 bits.
+static inline __m512 bf16_as_float16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+static inline __m256i silu_mul16(__m512 gate_sum, __m512 up_sum) {
+  const __m512 g = bf16_as_float16(bf16_round16(gate_sum)), u = bf16_as_float16(bf16_round16(up_sum));
+  const __m512 e = exp_poly(_mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(-104.f)),
+                                          _mm512_set1_ps(100.f)));
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+  __m512 q;
+  __asm__("vdivps %2, %1, %0" : "=v"(q) : "v"(g), "v"(d));  // exact (-ffast-math may not turn it into rcp)
+  return bf16_round16<0x7FC0>(_mm512_mul_ps(bf16_as_float16(bf16_round16<0x7FC0>(q)), u));
+}
+
+// SILU: the weight is an MLP's gate and up interleaved by 32 columns (pack_bf16_gate_up), so a 64-column panel holds
+// 32 of each and the tile writes SiLU(gate) * up to 32 columns of an output with N / 2 (as silu_mul16 computes it)
+template <bool SILU>
+struct TileBF16T {
   static constexpr bool kStrided = false;
   static constexpr int64_t kXPerK = 1;
+  static constexpr int64_t kOutDiv = SILU ? 2 : 1;  // output columns per weight column, inverted
   using X = uint32_t;  // a pair of bf16
   using W = uint32_t;
   using O = uint16_t;  // bf16 bits: the fp32 sums (+ bias) are rounded once, as out.to(bf16) would round them
@@ -906,13 +928,25 @@ struct TileBF16 {
         for (int i = 0; i < MB; ++i) acc[i][v] = _mm512_add_ps(acc[i][v], bv);
       }
     }
+    if constexpr (SILU) {
+      if constexpr (NV == 4) {  // always, since the interleaved weight has N % 64 == 0
 #pragma GCC unroll 8
-    for (int i = 0; i < MB; ++i)
+        for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 2
+          for (int v = 0; v < 2; ++v)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * (N / 2) + n0 / 2 + 16 * v),
+                                silu_mul16(acc[i][v], acc[i][v + 2]));
+      }
+    } else {
 #pragma GCC unroll 8
-      for (int v = 0; v < NV; ++v)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * N + n0 + 16 * v), bf16_round16(acc[i][v]));
+      for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * N + n0 + 16 * v), bf16_round16(acc[i][v]));
+    }
   }
 };
+using TileBF16 = TileBF16T<false>;
 #elif defined(__AVX2__) || defined(__AVX512F__)
 #define BATCHERY_BF16_WIDEN 1
 typedef uint32_t vun __attribute__((vector_size(BATCHERY_VBYTES)));
@@ -924,6 +958,7 @@ typedef uint16_t vhnu __attribute__((vector_size(BATCHERY_VBYTES / 2), aligned(2
 struct TileBF16 {
   static constexpr bool kStrided = false;
   static constexpr int64_t kXPerK = 2;  // x is fp32: two elements per pair of k
+  static constexpr int64_t kOutDiv = 1;
   using X = float;
   using W = uint32_t;  // a pair of bf16: w[n][2k] in the low half, w[n][2k + 1] in the high
   using O = uint16_t;
@@ -1022,6 +1057,49 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at:
 #endif
 }
 
+// gate, up [I, K] bf16 (an MLP's two projections) -> pack_bf16 of their rows interleaved by 32: each 64-column panel
+// holds 32 gate columns and the same 32 up columns (I a multiple of 32), for linear_bf16_silu
+at::Tensor pack_bf16_gate_up(at::Tensor gate, at::Tensor up) {
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.scalar_type() == at::kBFloat16 &&
+                  up.scalar_type() == at::kBFloat16 && gate.size(0) % 32 == 0 && gate.size(1) % 2 == 0,
+              "pack_bf16_gate_up: gate and up must be bf16 [I, K] of one shape, I a multiple of 32 and K even");
+  const int64_t I = gate.size(0), K = gate.size(1);
+  return pack_bf16(at::stack({gate.contiguous().view({I / 32, 32, K}), up.contiguous().view({I / 32, 32, K})}, 1)
+                       .view({2 * I, K}));
+}
+
+// SiLU(x @ gate.T) * (x @ up.T) with the weight from pack_bf16_gate_up: [..., I] bf16, bit for bit what the two
+// projections through linear_bf16 and cpu_fused's fused_silu_mul give, without writing either projection
+at::Tensor linear_bf16_silu(at::Tensor x, at::Tensor wp) {
+#ifdef __AVX512BF16__
+  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == 64 && wp.is_contiguous() && wp.scalar_type() == at::kInt,
+              "linear_bf16_silu: the weight must come from pack_bf16_gate_up");
+  const int64_t K2 = wp.size(1), N = wp.size(0) * 64, K = 2 * K2;
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K,
+              "linear_bf16_silu: the input must be bf16 [..., K]");
+  auto xs = x.sizes().vec();
+  auto xf = x.reshape({-1, K}).contiguous();
+  const int64_t M = xf.size(0);
+  auto out = at::empty({M, N / 2}, xf.options());
+  tiled_linear<TileBF16T<true>>(reinterpret_cast<const uint32_t*>(xf.data_ptr()),
+                                reinterpret_cast<const uint32_t*>(wp.data_ptr()),
+                                reinterpret_cast<uint16_t*>(out.data_ptr()), M, K2, N, true, nullptr);
+  xs.back() = N / 2;
+  return out.view(xs);
+#else
+  TORCH_CHECK(false, "linear_bf16_silu: built without AVX512-BF16");
+  return x;
+#endif
+}
+
+bool has_bf16_silu() {
+#ifdef __AVX512BF16__
+  return true;
+#else
+  return false;
+#endif
+}
+
 // ---- bf16 linear on AMX tiles ------------------------------------------------------------------
 // On CPUs with AMX-BF16 (and a compiler that targets it): a tile multiply (tdpbf16ps) takes a 16 x 32 bf16 block of
 // x, a 16-column block of the weight (32 k as 16 rows of pairs) and adds the 16 x 16 fp32 products, 8192
@@ -1093,22 +1171,6 @@ static inline void amx_block(const uint16_t* x, int64_t K, const char* w0, int64
   }
 }
 
-// SiLU(gate) * up as the fused MLP computes it from the two projections' bf16 outputs (cpu_fused's silu_mul):
-// gate and up each rounded to bf16 as linear_amx stores them, SiLU by an exact division rounded to bf16 (a NaN as
-// cpu_fused rounds it, 0x7FC0), the product rounded once more. Returns the product's bf16 bits.
-static inline __m512 amx_bf16_as_float(__m256i bits) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-static inline __m256i amx_silu_mul16(__m512 gate_sum, __m512 up_sum) {
-  const __m512 g = amx_bf16_as_float(bf16_round16(gate_sum)), u = amx_bf16_as_float(bf16_round16(up_sum));
-  const __m512 e = exp_poly(_mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(-104.f)),
-                                          _mm512_set1_ps(100.f)));
-  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), e);
-  __m512 q;
-  __asm__("vdivps %2, %1, %0" : "=v"(q) : "v"(g), "v"(d));  // exact (-ffast-math may not turn it into rcp)
-  return bf16_round16<0x7FC0>(_mm512_mul_ps(amx_bf16_as_float(bf16_round16<0x7FC0>(q)), u));
-}
-
 // Tasks are (row chunk of up to kChunk rows, column pair): a chunk's x (up to 256 x K bf16) stays in L2 while
 // the column pairs stream past it; decode steps (one chunk) read every weight once. A task's sums go to a buffer
 // and are rounded to bf16 after its last tile multiply: read back right after each block's tile stores, they
@@ -1143,7 +1205,7 @@ static void amx_linear(const uint16_t* x, const char* wp, uint16_t* out, int64_t
       if (SILU) {  // no bias: the MLPs this serves have none
         for (int64_t i = 0; i < m_end - m_begin; ++i)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m_begin + i) * (N / 2) + p * 16),
-                              amx_silu_mul16(_mm512_load_ps(cbuf + i * 32), _mm512_load_ps(cbuf + i * 32 + 16)));
+                              silu_mul16(_mm512_load_ps(cbuf + i * 32), _mm512_load_ps(cbuf + i * 32 + 16)));
         continue;
       }
       const __m512 b0 = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
@@ -1253,6 +1315,9 @@ _FUNCTIONS = [
     "pack_bf16",
     "linear_bf16",
     "has_bf16_linear",
+    "pack_bf16_gate_up",
+    "linear_bf16_silu",
+    "has_bf16_silu",
     "pack_amx",
     "linear_amx",
     "has_amx_linear",

@@ -437,20 +437,26 @@ def install(model: torch.nn.Module, max_rows: int | None = None, calibration_cac
         log.info("%d linear layers run on the C++ CPU kernels", count)
         fused = _install_gate_up(model, kernel)
         if fused:
-            log.info("%d MLPs compute SiLU(gate) * up in one AMX pass", fused)
+            log.info("%d MLPs compute SiLU(gate) * up in one pass of our bf16 kernel", fused)
     return count
 
 
 def _install_gate_up(model: torch.nn.Module, kernel: types.ModuleType) -> int:
-    """Give each MLP whose ``gate_proj`` and ``up_proj`` run on the AMX kernel a ``_batchery_gate_up``: both
-    projections and SiLU(gate) * up in one pass over a weight that interleaves them (``pack_amx_gate_up``, one more
-    copy of the two), bit for bit what the two projections and ``cpu_fused.fused_silu_mul`` give. The fused decoder
-    layers (``fused_llama``) call it for any row count: neither projection's output is written and read back, and
-    the product is computed while the sums are still in cache. On the 2-core AMX Xeon, SmolLM2's 576 -> 1536 pair
-    with the SiLU, 30 layers' weights in turn: 1.05-1.15x the two AMX projections and the separate SiLU at 17-256
-    rows, 1.07x oneDNN's at 1024 rows (``fused_silu_mul`` alone takes about 1 ms there)."""
-    if not hasattr(kernel, "linear_amx_silu"):
-        return 0
+    """Give each MLP whose ``gate_proj`` and ``up_proj`` run on our bf16 kernels a ``_batchery_gate_up``: both
+    projections and SiLU(gate) * up in one pass over a weight that interleaves them (one more copy of the two), bit
+    for bit what the two projections and ``cpu_fused.fused_silu_mul`` give. The fused decoder layers
+    (``fused_llama``) call it: neither projection's output is written and read back, the product is computed while
+    the sums are still in registers, and a step makes one call where it made three.
+
+    - On AMX (``pack_amx_gate_up``, ``linear_amx_silu``): on the 2-core AMX Xeon, SmolLM2's
+      576 -> 1536 pair with the SiLU, 30 layers' weights in turn: 1.05-1.15x the two AMX projections and the
+      separate SiLU at 17-256 rows, 1.07x oneDNN's at 1024 rows (``fused_silu_mul`` alone takes about 1 ms there).
+    - With AVX512-BF16 (``pack_bf16_gate_up``, ``linear_bf16_silu``: the vdpbf16ps tile writing the product).
+
+    Either runs up to the row count both projections were calibrated to run on the kernel (any, where it always
+    won); beyond it the two projections and the separate SiLU, as without it."""
+    amx = hasattr(kernel, "linear_amx_silu")
+    vdp = hasattr(kernel, "linear_bf16_silu") and kernel.has_bf16_silu()
     count = 0
     for module in model.modules():
         gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
@@ -458,15 +464,28 @@ def _install_gate_up(model: torch.nn.Module, kernel: types.ModuleType) -> int:
             continue
         if gate.bias is not None or up.bias is not None or gate.weight.shape != up.weight.shape:
             continue
-        if not all(getattr(lin, "_batchery_max_rows", 0) and uses_amx(kernel, lin.weight) for lin in (gate, up)):
+        rows = min(getattr(lin, "_batchery_max_rows", 0) for lin in (gate, up))
+        if not rows or gate.weight.dtype != torch.bfloat16:
             continue
-        tiles = kernel.pack_amx_gate_up(gate.weight.detach(), up.weight.detach())
-        run = kernel.linear_amx_silu
+        on_amx = [uses_amx(kernel, lin.weight) for lin in (gate, up)]
+        if amx and all(on_amx):
+            weight, run = kernel.pack_amx_gate_up(gate.weight.detach(), up.weight.detach()), kernel.linear_amx_silu
+        elif vdp and not any(on_amx) and gate.out_features % 32 == 0:
+            weight, run = kernel.pack_bf16_gate_up(gate.weight.detach(), up.weight.detach()), kernel.linear_bf16_silu
+        else:
+            continue
 
         def gate_up(
-            x: torch.Tensor, tiles: torch.Tensor = tiles, run: Callable[..., torch.Tensor] = run
+            x: torch.Tensor,
+            weight: torch.Tensor = weight,
+            run: Callable[..., torch.Tensor] = run,
+            rows: int = rows,
+            gate: torch.nn.Module = gate,
+            up: torch.nn.Module = up,
         ) -> torch.Tensor:
-            return run(x, tiles)
+            if x.numel() // x.shape[-1] <= rows:
+                return run(x, weight)
+            return kernel.fused_silu_mul(gate(x).contiguous(), up(x).contiguous())
 
         module._batchery_gate_up = gate_up
         count += 1

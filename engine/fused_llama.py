@@ -199,7 +199,7 @@ def _model_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         o = attn.o_proj(out.reshape(1, t, -1).contiguous()).contiguous()
         norm = layer.post_attention_layernorm
         x = kernel.fused_add_rms_norm(h, o, norm.weight, norm.variance_epsilon)  # h += o; o = norm(h)
-        gate_up = getattr(mlp, "_batchery_gate_up", None)  # both projections and the SiLU in one AMX pass
+        gate_up = getattr(mlp, "_batchery_gate_up", None)  # both projections and the SiLU in one pass (fast_linear)
         if gate_up is not None and x.dtype == torch.bfloat16:
             act = gate_up(x)
         else:

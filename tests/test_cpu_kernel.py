@@ -253,6 +253,78 @@ def test_fast_linear_gives_amx_mlps_one_gate_up_pass():
     assert (got - want).abs().max() <= want.abs().max() * 2**-6
 
 
+def _silu_kernel():
+    kernel = cpu_paged.load()
+    if kernel is None or not kernel.has_bf16_silu():
+        pytest.skip("this CPU (or compiler) has no AVX512-BF16: no vdpbf16ps gate/up pass")
+    return kernel
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 17, 33, 300])
+def test_linear_bf16_silu_equals_the_projections_and_fused_silu(rows):
+    """The vdpbf16ps gate/up pass gives bit for bit what the two projections (linear_bf16) and cpu_fused's SiLU * up
+    give: every row tail of the 6-row tile, several panels, inputs large enough for SiLU's saturation, a NaN in one
+    gate column."""
+    kernel = _silu_kernel()
+    g = torch.Generator().manual_seed(rows)
+    inter, hidden = 160, 96
+    gate = (torch.randn(inter, hidden, generator=g) * 0.3).to(torch.bfloat16)
+    up = (torch.randn(inter, hidden, generator=g) * 0.3).to(torch.bfloat16)
+    gate[37, 5] = float("nan")
+    x = (torch.randn(rows, hidden, generator=g) * 4).to(torch.bfloat16)
+    want = kernel.fused_silu_mul(
+        kernel.linear_bf16(x, kernel.pack_bf16(gate), inter, None),
+        kernel.linear_bf16(x, kernel.pack_bf16(up), inter, None),
+    )
+    got = kernel.linear_bf16_silu(x.view(1, rows, hidden), kernel.pack_bf16_gate_up(gate, up))
+    assert got.shape == (1, rows, inter) and got.dtype == torch.bfloat16
+    assert torch.isnan(got[0, :, 37]).all()
+    assert torch.equal(got.view(rows, inter).view(torch.int16), want.view(torch.int16))
+
+
+def test_pack_bf16_gate_up_refuses_what_it_cannot_run():
+    kernel = _silu_kernel()
+    with pytest.raises(RuntimeError, match="one shape"):
+        kernel.pack_bf16_gate_up(torch.zeros(32, 64, dtype=torch.bfloat16), torch.zeros(64, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernel.pack_bf16_gate_up(torch.zeros(48, 64, dtype=torch.bfloat16), torch.zeros(48, 64, dtype=torch.bfloat16))
+    packed = kernel.pack_bf16_gate_up(
+        torch.zeros(32, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
+    )
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernel.linear_bf16_silu(torch.zeros(3, 64), packed)
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernel.linear_bf16_silu(torch.zeros(3, 32, dtype=torch.bfloat16), packed)
+
+
+@pytest.mark.parametrize("max_rows", [-1, 4])
+def test_fast_linear_gives_bf16_mlps_one_gate_up_pass(max_rows):
+    """install gives an MLP whose gate and up run on our bf16 kernel the one-pass gate/up (AMX or vdpbf16ps, as the
+    CPU has), bit for bit the MLP's own projections and cpu_fused's SiLU * up, below and above the row limit the
+    projections were routed with (above it, the projections and the separate SiLU)."""
+    from batchery.engine import fast_linear
+
+    kernel = cpu_paged.load()
+    if not (kernel.has_bf16_silu() or kernel.has_amx_linear()):
+        pytest.skip("this CPU has neither AVX512-BF16 nor AMX-BF16")
+
+    class MLP(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_proj = torch.nn.Linear(64, 96, bias=False)
+            self.up_proj = torch.nn.Linear(64, 96, bias=False)
+
+    torch.manual_seed(4)
+    mlp = MLP().to(torch.bfloat16)
+    with torch.inference_mode():
+        assert fast_linear.install(mlp, max_rows=max_rows) == 2
+        assert callable(getattr(mlp, "_batchery_gate_up", None))
+        for rows in (1, 4, 7, 40):
+            x = torch.randn(1, rows, 64).to(torch.bfloat16)
+            want = kernel.fused_silu_mul(mlp.gate_proj(x).contiguous(), mlp.up_proj(x).contiguous())
+            assert torch.equal(mlp._batchery_gate_up(x).view(torch.int16), want.view(torch.int16)), rows
+
+
 def test_fast_linear_bf16_takes_amx_where_the_cpu_has_it():
     """On AMX CPUs a bf16 layer whose sides are multiples of 32 runs on the tiles; one that is not keeps the
     vdpbf16ps kernel. Both give what torch gives, to bf16 rounding."""
