@@ -182,8 +182,9 @@ def _model_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
             x = kernel.fused_rms_norm(h, norm.weight, norm.variance_epsilon)
         else:  # h += delta; delta = norm(h)
             x = kernel.fused_add_rms_norm(h, delta, norm.weight, norm.variance_epsilon)
-        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)  # [1, T, heads * D]
-        q, k = q.contiguous(), k.contiguous()
+        qkv = getattr(attn, "_batchery_qkv", None)  # the three projections in one pass (fast_linear)
+        q, k, v = qkv(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))  # [1, T, heads * D]
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         kernel.fused_rope(q, k, cos, sin)
         # as LlamaAttention.forward calls the attention function: [1, heads, T, D] views
         out, _ = paged_attention_forward(

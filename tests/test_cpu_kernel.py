@@ -325,6 +325,37 @@ def test_fast_linear_gives_bf16_mlps_one_gate_up_pass(max_rows):
             assert torch.equal(mlp._batchery_gate_up(x).view(torch.int16), want.view(torch.int16)), rows
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("max_rows", [-1, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fast_linear_gives_attention_one_qkv_pass(dtype, max_rows, bias):
+    """install gives an attention module whose q, k and v projections run on our kernel one pass for the three, equal
+    to the three projections column for column, below and above their row limit (above it, the three)."""
+    from batchery.engine import fast_linear
+
+    kernel = cpu_paged.load()
+    if dtype == torch.bfloat16 and not kernel.has_bf16_linear():
+        pytest.skip("no bf16 kernel on this CPU")
+
+    class Attn(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj = torch.nn.Linear(64, 96, bias=bias)
+            self.k_proj = torch.nn.Linear(64, 32, bias=bias)
+            self.v_proj = torch.nn.Linear(64, 32, bias=bias)
+
+    torch.manual_seed(5)
+    attn = Attn().to(dtype)
+    with torch.inference_mode():
+        assert fast_linear.install(attn, max_rows=max_rows) == 3
+        for rows in (1, 4, 7, 40):
+            x = torch.randn(1, rows, 64).to(dtype)
+            q, k, v = attn._batchery_qkv(x)
+            assert q.shape == (1, rows, 96) and k.shape == v.shape == (1, rows, 32)
+            for got, lin in zip((q, k, v), (attn.q_proj, attn.k_proj, attn.v_proj)):
+                assert torch.equal(got, lin(x)), rows
+
+
 def test_fast_linear_bf16_takes_amx_where_the_cpu_has_it():
     """On AMX CPUs a bf16 layer whose sides are multiples of 32 runs on the tiles; one that is not keeps the
     vdpbf16ps kernel. Both give what torch gives, to bf16 rounding."""
