@@ -108,6 +108,14 @@ def run_env(**extra) -> tuple[dict[str, str], str]:
     return env, tag
 
 
+def _as_a_terminal_starts_it() -> None:
+    """SIGINT at its default in the child, as a shell's foreground job has it. Python turns SIGINT into
+    KeyboardInterrupt only when it starts with the default, and a test run launched in the background of a
+    non-interactive shell (``bash -c 'pytest ... &'``) hands its children SIGINT ignored: the Ctrl-C test then
+    waited 60 s on a run that never saw the signal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_run(args: list[str], env: dict[str, str], stderr_path: Path) -> subprocess.Popen:
     with open(stderr_path, "wb") as err:
         # its own process group, like a shell job: a terminal's Ctrl-C signals the whole group
@@ -118,6 +126,7 @@ def start_run(args: list[str], env: dict[str, str], stderr_path: Path) -> subpro
             stdout=subprocess.PIPE,
             stderr=err,
             start_new_session=True,
+            preexec_fn=_as_a_terminal_starts_it,
         )
 
 
