@@ -61,7 +61,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from batchery.engine import cpu_kernels
+from batchery.engine import cpu_kernels, fused_llama
 
 log = logging.getLogger("batchery.engine.kernels")
 
@@ -365,12 +365,20 @@ def _onednn_ok(dtype: torch.dtype) -> bool:
     return _onednn_fn(torch.zeros(16, 16, dtype=dtype)) is not None
 
 
-def install(model: torch.nn.Module, max_rows: int | None = None, calibration_cache: Path | None = None) -> int:
+def install(
+    model: torch.nn.Module,
+    max_rows: int | None = None,
+    calibration_cache: Path | None = None,
+    one_pass: bool | None = None,
+) -> int:
     """Route the model's fp32 and bf16 CPU ``nn.Linear`` layers through the kernels, for inputs of
     up to ``max_rows`` rows (None: calibrate each layer shape here, or read the calibration cache;
     -1: any). ``calibration_cache``: a JSON file that keeps calibration results for this host (the
-    loader passes one in the model cache; None: calibrate every time). Returns how many layers were
-    routed (0 when the kernels cannot be built here or never win)."""
+    loader passes one in the model cache; None: calibrate every time). ``one_pass``: also give attention
+    modules their q/k/v pass and MLPs their gate/up pass (``_install_qkv``, ``_install_gate_up``), each one
+    more copy of those weights; None: only where the fused decoder layers, which call them, are installed
+    (``fused_llama.install`` first). Returns how many layers were routed (0 when the kernels cannot be built
+    here or never win)."""
     kernel = cpu_kernels.load()
     if kernel is None:
         return 0
@@ -436,6 +444,7 @@ def install(model: torch.nn.Module, max_rows: int | None = None, calibration_cac
         cache.save()
     if count:
         log.info("%d linear layers run on the C++ CPU kernels", count)
+    if count and (one_pass if one_pass is not None else fused_llama.installed(model)):
         fused = _install_gate_up(model, kernel)
         if fused:
             log.info("%d MLPs compute SiLU(gate) * up in one pass of our bf16 kernel", fused)

@@ -246,6 +246,11 @@ def uninstall(model: torch.nn.Module) -> bool:
     return True
 
 
+def installed(model: torch.nn.Module) -> bool:
+    """Whether ``install`` routed this model's decoder layers through the fused kernels."""
+    return isinstance(getattr(getattr(model, "model", None), _STATE, None), _Fused)
+
+
 def fused_steps(model: torch.nn.Module) -> int:
     """How many forwards of the model took the fused path (0 when not installed)."""
     state = getattr(getattr(model, "model", None), _STATE, None)

@@ -248,7 +248,7 @@ def test_fast_linear_gives_amx_mlps_one_gate_up_pass():
     x = torch.randn(7, 64).to(torch.bfloat16)
     with torch.inference_mode():
         want = (F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)).float()
-        assert fast_linear.install(mlp, max_rows=-1) == 2
+        assert fast_linear.install(mlp, max_rows=-1, one_pass=True) == 2
         got = mlp._batchery_gate_up(x).float()
     assert (got - want).abs().max() <= want.abs().max() * 2**-6
 
@@ -317,7 +317,7 @@ def test_fast_linear_gives_bf16_mlps_one_gate_up_pass(max_rows):
     torch.manual_seed(4)
     mlp = MLP().to(torch.bfloat16)
     with torch.inference_mode():
-        assert fast_linear.install(mlp, max_rows=max_rows) == 2
+        assert fast_linear.install(mlp, max_rows=max_rows, one_pass=True) == 2
         assert callable(getattr(mlp, "_batchery_gate_up", None))
         for rows in (1, 4, 7, 40):
             x = torch.randn(1, rows, 64).to(torch.bfloat16)
@@ -347,13 +347,32 @@ def test_fast_linear_gives_attention_one_qkv_pass(dtype, max_rows, bias):
     torch.manual_seed(5)
     attn = Attn().to(dtype)
     with torch.inference_mode():
-        assert fast_linear.install(attn, max_rows=max_rows) == 3
+        assert fast_linear.install(attn, max_rows=max_rows, one_pass=True) == 3
         for rows in (1, 4, 7, 40):
             x = torch.randn(1, rows, 64).to(dtype)
             q, k, v = attn._batchery_qkv(x)
             assert q.shape == (1, rows, 96) and k.shape == v.shape == (1, rows, 32)
             for got, lin in zip((q, k, v), (attn.q_proj, attn.k_proj, attn.v_proj)):
                 assert torch.equal(got, lin(x)), rows
+
+
+def test_one_pass_projections_only_where_the_fused_layers_call_them():
+    """The q/k/v and gate/up passes each hold one more copy of their weights, and only the fused decoder layers call
+    them: a model without those layers gets none (unless asked), one with them gets both."""
+    from batchery.engine import fast_linear
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(64, n, bias=False) for n in (96, 32, 32))
+
+    torch.manual_seed(6)
+    plain = Block()
+    assert fast_linear.install(plain, max_rows=-1) == 3
+    assert not hasattr(plain, "_batchery_qkv")
+    asked = Block()
+    assert fast_linear.install(asked, max_rows=-1, one_pass=True) == 3
+    assert callable(getattr(asked, "_batchery_qkv", None))
 
 
 def test_fast_linear_bf16_takes_amx_where_the_cpu_has_it():

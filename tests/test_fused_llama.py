@@ -291,6 +291,9 @@ def test_engine_greedy_with_fused_layers_equals_without_and_hf(kernel, llama_dir
     loaded = load_model(EngineConfig(model=llama_dir, dtype=dtype))
     prompts = [[11, 12, 13], list(range(20, 50)), [17] * 9, [30, 31, 32, 33, 34]]
     new = 16
+    attn = loaded.model.model.layers[0].self_attn
+    if all(getattr(lin, "_batchery_max_rows", 0) for lin in (attn.q_proj, attn.k_proj, attn.v_proj)):
+        assert callable(getattr(attn, "_batchery_qkv", None))  # the loader gave the fused layers their q/k/v pass
 
     def generate() -> tuple[list[list[int]], list[list[float]]]:
         # small blocks and a small token budget: multi-block tables, chunked prefill, mixed steps
