@@ -27,7 +27,7 @@ from pathlib import Path
 
 log = logging.getLogger("batchery.engine.kernels")
 
-NAME = "batchery_cpu_kernels_v30"  # bump when the source changes (the build cache is keyed by it)
+NAME = "batchery_cpu_kernels_v31"  # bump when the source changes (the build cache is keyed by it)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -1057,15 +1057,21 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at:
 #endif
 }
 
+// gate, up [I, K] (checked by the caller: one shape, I a multiple of by) -> [2 I, K]: by rows of gate, the same by rows
+// of up, and so on (what the gate/up passes pack, so that a block of the output has both halves of its columns)
+static at::Tensor interleave_gate_up(const at::Tensor& gate, const at::Tensor& up, int64_t by) {
+  const int64_t I = gate.size(0), K = gate.size(1);
+  return at::stack({gate.contiguous().view({I / by, by, K}), up.contiguous().view({I / by, by, K})}, 1)
+      .view({2 * I, K});
+}
+
 // gate, up [I, K] bf16 (an MLP's two projections) -> pack_bf16 of their rows interleaved by 32: each 64-column panel
 // holds 32 gate columns and the same 32 up columns (I a multiple of 32), for linear_bf16_silu
 at::Tensor pack_bf16_gate_up(at::Tensor gate, at::Tensor up) {
   TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.scalar_type() == at::kBFloat16 &&
                   up.scalar_type() == at::kBFloat16 && gate.size(0) % 32 == 0 && gate.size(1) % 2 == 0,
               "pack_bf16_gate_up: gate and up must be bf16 [I, K] of one shape, I a multiple of 32 and K even");
-  const int64_t I = gate.size(0), K = gate.size(1);
-  return pack_bf16(at::stack({gate.contiguous().view({I / 32, 32, K}), up.contiguous().view({I / 32, 32, K})}, 1)
-                       .view({2 * I, K}));
+  return pack_bf16(interleave_gate_up(gate, up, 32));
 }
 
 // SiLU(x @ gate.T) * (x @ up.T) with the weight from pack_bf16_gate_up: [..., I] bf16, bit for bit what the two
@@ -1288,9 +1294,7 @@ at::Tensor pack_amx_gate_up(at::Tensor gate, at::Tensor up) {
   TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.scalar_type() == at::kBFloat16 &&
                   up.scalar_type() == at::kBFloat16 && gate.size(0) % 16 == 0 && gate.size(1) % 32 == 0,
               "pack_amx_gate_up: gate and up must be bf16 [I, K] of one shape, I a multiple of 16 and K of 32");
-  const int64_t I = gate.size(0), K = gate.size(1);
-  return pack_amx(at::stack({gate.contiguous().view({I / 16, 16, K}), up.contiguous().view({I / 16, 16, K})}, 1)
-                      .view({2 * I, K}));
+  return pack_amx(interleave_gate_up(gate, up, 16));
 }
 
 // SiLU(x @ gate.T) * (x @ up.T) with the weight from pack_amx_gate_up: [..., I] bf16, bit for bit what the two

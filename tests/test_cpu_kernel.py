@@ -202,18 +202,29 @@ def test_linear_amx_silu_equals_the_projections_and_fused_silu(rows):
     tail, two row chunks, inputs large enough for SiLU's saturation and a NaN
     in one gate column)."""
     kernel = _amx_kernel()
-    g = torch.Generator().manual_seed(rows)
-    inter, hidden = 96, 96
-    gate = (torch.randn(inter, hidden, generator=g) * 0.3).to(torch.bfloat16)
-    up = (torch.randn(inter, hidden, generator=g) * 0.3).to(torch.bfloat16)
-    gate[3, 5] = float("nan")
-    x = (torch.randn(rows, hidden, generator=g) * 4).to(torch.bfloat16)
+    gate, up, x = _gate_up_case(rows, inter=96, hidden=96, nan_col=3)
     want = kernel.fused_silu_mul(
         kernel.linear_amx(x, kernel.pack_amx(gate), None), kernel.linear_amx(x, kernel.pack_amx(up), None)
     )
-    got = kernel.linear_amx_silu(x.view(1, rows, hidden), kernel.pack_amx_gate_up(gate, up))
+    got = kernel.linear_amx_silu(x.view(1, rows, 96), kernel.pack_amx_gate_up(gate, up))
+    _assert_gate_up(got, want, nan_col=3)
+
+
+def _gate_up_case(rows: int, inter: int, hidden: int, nan_col: int):
+    """gate, up [inter, hidden] and x [rows, hidden] in bf16, large enough for SiLU's saturation, with a NaN in gate
+    column ``nan_col``."""
+    g = torch.Generator().manual_seed(rows)
+    gate = (torch.randn(inter, hidden, generator=g) * 0.3).to(torch.bfloat16)
+    up = (torch.randn(inter, hidden, generator=g) * 0.3).to(torch.bfloat16)
+    gate[nan_col, 5] = float("nan")
+    return gate, up, (torch.randn(rows, hidden, generator=g) * 4).to(torch.bfloat16)
+
+
+def _assert_gate_up(got: torch.Tensor, want: torch.Tensor, nan_col: int) -> None:
+    """got [1, rows, inter] is bf16, NaN down column ``nan_col``, and bit for bit ``want`` [rows, inter]."""
+    rows, inter = want.shape
     assert got.shape == (1, rows, inter) and got.dtype == torch.bfloat16
-    assert torch.isnan(got[0, :, 3]).all()
+    assert torch.isnan(got[0, :, nan_col]).all()
     assert torch.equal(got.view(rows, inter).view(torch.int16), want.view(torch.int16))
 
 
@@ -266,20 +277,13 @@ def test_linear_bf16_silu_equals_the_projections_and_fused_silu(rows):
     give: every row tail of the 6-row tile, several panels, inputs large enough for SiLU's saturation, a NaN in one
     gate column."""
     kernel = _silu_kernel()
-    g = torch.Generator().manual_seed(rows)
-    inter, hidden = 160, 96
-    gate = (torch.randn(inter, hidden, generator=g) * 0.3).to(torch.bfloat16)
-    up = (torch.randn(inter, hidden, generator=g) * 0.3).to(torch.bfloat16)
-    gate[37, 5] = float("nan")
-    x = (torch.randn(rows, hidden, generator=g) * 4).to(torch.bfloat16)
+    gate, up, x = _gate_up_case(rows, inter=160, hidden=96, nan_col=37)
     want = kernel.fused_silu_mul(
-        kernel.linear_bf16(x, kernel.pack_bf16(gate), inter, None),
-        kernel.linear_bf16(x, kernel.pack_bf16(up), inter, None),
+        kernel.linear_bf16(x, kernel.pack_bf16(gate), 160, None),
+        kernel.linear_bf16(x, kernel.pack_bf16(up), 160, None),
     )
-    got = kernel.linear_bf16_silu(x.view(1, rows, hidden), kernel.pack_bf16_gate_up(gate, up))
-    assert got.shape == (1, rows, inter) and got.dtype == torch.bfloat16
-    assert torch.isnan(got[0, :, 37]).all()
-    assert torch.equal(got.view(rows, inter).view(torch.int16), want.view(torch.int16))
+    got = kernel.linear_bf16_silu(x.view(1, rows, 96), kernel.pack_bf16_gate_up(gate, up))
+    _assert_gate_up(got, want, nan_col=37)
 
 
 def test_pack_bf16_gate_up_refuses_what_it_cannot_run():
