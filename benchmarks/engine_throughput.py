@@ -110,9 +110,11 @@ def raw_forward_tps(loaded, n_tokens=256, reps=5) -> float:
     return tps
 
 
-def engine_forward_tps(loaded, dtype, n_tokens=256, reps=5, **kw) -> float:
+def engine_forward_tps(loaded, dtype, n_tokens=256, reps=5, rounds=3, **kw) -> float:
     """Tokens/s of the engine's own forward on one ``n_tokens`` prompt per step (prefix cache off, one token
-    sampled): the forward the engine's steps run, fused layers and attention kernels included."""
+    sampled): the forward the engine's steps run, fused layers and attention kernels included. The best of
+    ``rounds`` rounds of ``reps`` steps: with one round, a slow minute of the Zen 4 VM once put this roof at 920
+    tok/s (a roofline of 146%), where the next run measured 1463.5."""
     eng = LLMEngine(EngineConfig(model=loaded.name, dtype=dtype, enable_prefix_caching=False, **kw), loaded=loaded)
     g = torch.Generator().manual_seed(1)
 
@@ -123,10 +125,13 @@ def engine_forward_tps(loaded, dtype, n_tokens=256, reps=5, **kw) -> float:
             eng.step()
 
     once(-1)  # warm-up
-    t0 = time.perf_counter()
-    for i in range(reps):
-        once(i)
-    return n_tokens * reps / (time.perf_counter() - t0)
+    best = 0.0
+    for r in range(rounds):  # the best round: one slow moment of the VM must not lower the roof
+        t0 = time.perf_counter()
+        for i in range(reps):
+            once(r * reps + i)
+        best = max(best, n_tokens * reps / (time.perf_counter() - t0))
+    return best
 
 
 def main() -> None:
