@@ -8,13 +8,14 @@ head at many rows) it should keep the work, so ``install`` times both on each di
 at a few row counts and routes a layer's inputs to the kernel only up to the row count where the
 kernel stopped winning.
 
-- fp32: the weight is stored transposed ([in, out] contiguous); ``weight`` stays a [out, in] view
-  of it, so ``F.linear`` still works on it at no extra memory. A weight tied to an embedding gets
-  its own copy, so embedding lookups keep reading rows.
-- fp32 layers ``WIDE`` outputs wide or more (an LM head): the kernel reads a copy in 64-column panels
-  (``pack_panels``), each contiguous. Read transposed, a 49k-wide head puts every k row of a panel on its own
-  page; in panels it streams, 1.4-2.6x faster at 8-64 rows on the AMD VM. ``weight`` is kept as it is, so a
-  head tied to the embedding stays tied (one extra copy, as the untied transposed copy was before).
+- fp32: the kernel reads a copy of the weight in 64-column panels (``pack_panels``: the transposed weight, each
+  panel's [in, 64] block contiguous), so a layer holds its fp32 weight twice (``weight`` is kept as it is, for the
+  row counts torch handles, and a head tied to the embedding stays tied). Read transposed ([in, out]), each k row of
+  a panel is a 256-byte piece ``out`` floats from the last, on a page of its own for a 49k-wide LM head, which the
+  hardware prefetcher streams badly; in panels every layer streams. On the 2-core Zen 4 EPYC (2026-12-04),
+  SmolLM2's layers, 30 weights in turn: 1.4-1.85x the transposed read at 1-16 rows, 1.0-1.14x at 32-256 (down_proj,
+  1536 in, gained most), bit for bit the same sums; the 96-request fp32 reference pass 2-4.5% faster. Until then
+  only ``WIDE`` layers had panels, and the others' transposed copy was their storage.
 - bf16: the kernel reads a packed copy of the weight (pairs along ``in``, in 64-column panels); ``weight`` is kept
   for the row counts torch handles, so routed bf16 layers hold their weights twice. With AVX512-BF16 it multiplies
   pairs with ``vdpbf16ps``; with AVX2 or AVX-512 alone it widens each pair to fp32 by shifts (exact) and uses FMAs,
@@ -67,11 +68,11 @@ log = logging.getLogger("batchery.engine.kernels")
 
 # decode batches sit between 64 and 256 rows: an LM head can win at 128 and lose at 512
 CALIBRATION_ROWS = (8, 64, 128, 256, 512)
-WIDE = 4096  # fp32 layers with at least this many outputs are read in panels (``pack_panels``)
+WIDE = 4096  # layers with at least this many outputs (an LM head) are calibrated up to 256 rows only
 QKV_MAX_ROWS = 256  # q, k and v in one pass up to this many rows (``_install_qkv``)
 ANY = 1 << 62
 CALIBRATION_CACHE_ENV = "BATCHERY_CPU_CALIBRATION_CACHE"  # "0": calibrate at every start
-_CALIBRATION_VERSION = 4  # bump when calibrate() measures differently (3: the packed oneDNN route; 4: its rival)
+_CALIBRATION_VERSION = 5  # bump when calibrate() measures differently (3: packed oneDNN; 4: its rival; 5: fp32 panels)
 _MAX_HOSTS = 32  # host keys kept in the file (a model cache shared by several machines)
 
 
@@ -145,15 +146,12 @@ def _faster(a: Callable[[], object], b: Callable[[], object], reps: int = 5) -> 
 
 
 def _kernel_fn(kernel: types.ModuleType, w: torch.Tensor) -> tuple[KernelLinear, torch.Tensor]:
-    """(callable (x, bias) -> y through the kernel, the tensor that callable reads: for fp32 the
-    transposed weight or, ``WIDE`` or wider, its panels; for bf16 the packed copy)"""
+    """(callable (x, bias) -> y through the kernel, the tensor that callable reads: for fp32 the weight's
+    64-column panels, for bf16 the packed copy (AMX tiles or vdpbf16ps pairs))"""
     n = w.shape[0]
-    if w.dtype == torch.float32 and n >= WIDE:
+    if w.dtype == torch.float32:
         panels = kernel.pack_panels(w)
         return (lambda x, bias=None: kernel.linear_panels(x, panels, n, bias)), panels
-    if w.dtype == torch.float32:
-        wt = w.t().contiguous()
-        return (lambda x, bias=None: kernel.linear_t(x, wt, bias)), wt
     if uses_amx(kernel, w):
         tiles = kernel.pack_amx(w)
         return (lambda x, bias=None: kernel.linear_amx(x, tiles, bias)), tiles
@@ -382,7 +380,6 @@ def install(
     kernel = cpu_kernels.load()
     if kernel is None:
         return 0
-    embedding_ptrs = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     limits: dict[tuple[int, int, torch.dtype], tuple[int, int]] = {}  # (kernel, oneDNN) row limits
     use_cache = max_rows is None and calibration_cache is not None and _calibration_cache_on()
     cache = _CalibrationCache(calibration_cache) if use_cache and calibration_cache is not None else None
@@ -422,12 +419,7 @@ def install(
             continue
         with torch.no_grad():
             if limit:
-                lin._batchery_linear, kernel_weight = _kernel_fn(kernel, w.detach())
-                if w.dtype == torch.float32 and kernel_weight.dim() == 2:  # the [in, out] copy becomes the storage
-                    if w.data_ptr() in embedding_ptrs:  # tied to the embedding: untie, the embedding keeps its rows
-                        lin.weight = torch.nn.Parameter(kernel_weight.t(), requires_grad=False)
-                    else:
-                        lin.weight.data = kernel_weight.t()
+                lin._batchery_linear, _ = _kernel_fn(kernel, w.detach())
             else:  # no kernel rows: only an empty input (0 rows) reaches this, and torch takes it
                 lin._batchery_linear = functools.partial(_torch_linear, lin)
             # a copy in oneDNN's layout: a layer routed to it holds its weight twice

@@ -101,13 +101,13 @@ def test_fast_linear_matches_torch(rows, out_features, bias):
     with torch.inference_mode():
         want = lin(x)
         assert fast_linear.install(model, max_rows=-1) == 1
-        assert lin.weight.shape == (out_features, 96) and lin.weight.t().is_contiguous()
+        assert lin.weight.shape == (out_features, 96) and lin.weight.is_contiguous()  # kept; the kernel reads panels
         got = lin(x)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_fast_linear_skips_what_it_cannot_run_and_unties_embeddings():
+def test_fast_linear_skips_what_it_cannot_run_and_keeps_a_tied_head_tied():
     from batchery.engine import fast_linear
 
     emb = torch.nn.Embedding(64, 32)
@@ -120,7 +120,7 @@ def test_fast_linear_skips_what_it_cannot_run_and_unties_embeddings():
     with torch.inference_mode():
         want = head(emb(ids))
         assert fast_linear.install(model, max_rows=-1) == 1
-        assert emb.weight.is_contiguous() and head.weight is not emb.weight
+        assert head.weight is emb.weight and emb.weight.is_contiguous()  # the kernel reads its own panel copy
         torch.testing.assert_close(head(emb(ids)), want, rtol=1e-5, atol=1e-5)
         assert not hasattr(odd, "_batchery_kernel") and not hasattr(half, "_batchery_kernel")
         assert fast_linear.install(model, max_rows=-1) == 0  # idempotent
@@ -467,8 +467,9 @@ def test_store_kv_matches_index_copy_and_skips_padding(dtype):
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_fast_linear_wide_fp32_reads_panels_and_keeps_a_tied_head_tied(rows):
-    """An LM head (WIDE outputs or more) is read in 64-column panels; its out_features need not be a multiple
-    of 64 (the last panel is zero-padded), and a head tied to the embedding stays tied."""
+    """An LM head (WIDE outputs or more; every fp32 layer is read in panels) is read in 64-column panels; its
+    out_features need not be a multiple of 64 (the last panel is zero-padded), and a head tied to the embedding
+    stays tied."""
     from batchery.engine import fast_linear
 
     torch.manual_seed(rows)
@@ -498,6 +499,30 @@ def test_pack_panels_layout():
     assert (p[1, :, 16:] == 0).all()
     with pytest.raises(RuntimeError, match="pack_panels"):
         kernel.linear_panels(torch.randn(2, 3), p, 48, None)  # 48 outputs fit in one panel, not two
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 24, 64, 301])
+@pytest.mark.parametrize("n", [16, 80, 192, 576])
+def test_fp32_panels_give_the_transposed_reads_sums_bit_for_bit(rows, n):
+    """Every routed fp32 layer reads panels (fast_linear._kernel_fn): the same tiles over the same k order as the
+    transposed read, so the same bits, with and without bias (the fp32 greedy identity with HF rests on both), and
+    a layer installed by fast_linear computes exactly that."""
+    from batchery.engine import fast_linear
+
+    kernel = cpu_paged.load()
+    torch.manual_seed(rows * 1000 + n)
+    w, b = torch.randn(n, 96), torch.randn(n)
+    x = torch.randn(1, rows, 96)
+    panels, wt = kernel.pack_panels(w), w.t().contiguous()
+    for bias in (None, b):
+        assert torch.equal(kernel.linear_panels(x, panels, n, bias), kernel.linear_t(x, wt, bias))
+    lin = torch.nn.Linear(96, n)
+    with torch.no_grad():
+        lin.weight.copy_(w), lin.bias.copy_(b)
+    with torch.inference_mode():
+        assert fast_linear.install(torch.nn.Sequential(lin), max_rows=-1) == 1
+        assert torch.equal(lin(x), kernel.linear_t(x, wt, b))
+        assert torch.equal(lin.weight, w)  # the layer's own weight is kept as it was
 
 
 def _load_in_subprocess(env: dict) -> dict:
