@@ -15,7 +15,11 @@ These kernels do each group in one pass over contiguous rows (used by ``batchery
 
 Each rounds to the model dtype where the torch reference does, so in bf16 the results are torch's bit
 for bit except a norm row's sum of squares (summed in another order) and in fp32 within an ulp or two.
-AVX-512 where the compiler targets it, scalar code elsewhere.
+AVX-512 where the compiler targets it, scalar code elsewhere. With AVX512-BF16 the bf16 rounding is one
+``vcvtneps2bf16`` a vector (``vbf16_pack``), the integer rounding only for vectors holding a NaN, zero or
+denormal, where that instruction's result differs from c10's: on the Zen 4 EPYC (2026-12-05, 2 threads, bf16,
+64-1024 rows of SmolLM2's widths) add + RMSNorm 1.24-1.33x, RMSNorm 1.2-1.25x, RoPE 1.26-1.41x and
+SiLU(gate) * up 1.13-1.21x as fast as with the integer rounding everywhere, with the same bits.
 
 ``SOURCE`` is C++ compiled into that one extension; ``FUNCTIONS`` are the names it exports."""
 
@@ -117,9 +121,20 @@ inline __m512i vbf16_bits(__m512 v) {  // bf16_bits per lane, in the low half of
                                                 _mm512_set1_epi32(0x7F800000));
   return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
 }
+// 16 floats rounded to bf16 (bf16_bits per lane). With AVX512-BF16 one vcvtneps2bf16 does it for every lane
+// whose rounding matches c10::BFloat16's: that instruction quiets a NaN keeping its payload (torch writes 0x7FC0)
+// and flushes fp32 denormals to zero, so a vector holding a NaN, a zero or a denormal (fpclass 0xA7: zeros too,
+// since under DAZ the class test calls a denormal zero) takes the integer rounding. Checked on all 2^32 floats,
+// with and without DAZ. On the Zen 4 EPYC the integer rounding was 40% of bf16 SiLU(gate) * up.
+inline __m256i vbf16_pack(__m512 v) {
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+  if (__builtin_expect(_mm512_fpclass_ps_mask(v, 0xA7) == 0, 1)) return (__m256i)_mm512_cvtneps_pbh(v);
+#endif
+  return _mm512_cvtepi32_epi16(vbf16_bits(v));
+}
 inline void vstore(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void vstore(c10::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(vbf16_bits(v)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), vbf16_pack(v));
 }
 inline __m512 vdiv_exact(__m512 a, __m512 b) {
   __m512 r;
@@ -134,7 +149,7 @@ inline __m512 vrnd<float>(__m512 v) {
 }
 template <>
 inline __m512 vrnd<c10::BFloat16>(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(vbf16_bits(v), 16));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(vbf16_pack(v)), 16));
 }
 
 // exp(x) for any x: the extension's polynomial (about 1 ulp) on x clamped to [-104, 100]; inf above ~88.7

@@ -161,6 +161,68 @@ def test_silu_mul_matches_llama_mlp_activation(kernel, path, dtype, n):
         _close(got, ref, max_ulps=1, frac=1e-3)
 
 
+def _bf16_with_specials(shape: tuple[int, ...], g: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    """Random bf16 values with a few NaNs, zeros, infinities and bf16 denormals sprinkled in (every 7th element
+    of some rows), so that some 16-lane vectors hold them and most do not."""
+    t = torch.randn(*shape, generator=g) * scale
+    flat = t.view(-1)
+    specials = torch.tensor([float("nan"), -float("nan"), 0.0, -0.0, float("inf"), -float("inf"), 1e-39, -3e-40, 1e-45])
+    picks = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 97)]
+    flat[picks] = specials[torch.arange(picks.numel()) % specials.numel()]
+    return t.to(torch.bfloat16)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+@pytest.mark.parametrize("op", ["silu_mul", "add_rms_norm", "rms_norm", "rope"])
+@torch.inference_mode()
+def test_bf16_vector_rounding_is_the_scalar_paths_bit_for_bit(kernel, op):
+    """The AVX-512 path rounds to bf16 with vcvtneps2bf16 where the CPU has AVX512-BF16, except in vectors holding a
+    NaN, zero or denormal, where that instruction differs from c10::BFloat16 (NaN payloads, denormals flushed):
+    every kernel must give the scalar path's bits, NaN, denormal and infinity results included. Tiny inputs make
+    denormal intermediates (a bf16 denormal times 0.7 is an fp32 denormal)."""
+    if not kernel.fused_vectorized():
+        pytest.skip("built without AVX-512")
+    g = torch.Generator().manual_seed(7)
+    n, rows = 576, 40
+    outs = []
+    for scalar in (False, True):
+        previous = kernel.fused_set_scalar(scalar)
+        try:
+            g.manual_seed(7)
+            if op == "silu_mul":
+                gate, up = _bf16_with_specials((rows, 1536), g, 4.0), _bf16_with_specials((rows, 1536), g)
+                up[::3] = (up[::3].float() * 1e-38).to(torch.bfloat16)  # products in the denormal range
+                outs.append(kernel.fused_silu_mul(gate, up).clone())
+            elif op in ("add_rms_norm", "rms_norm"):
+                w = _bf16_with_specials((n,), g)
+                residual, x = _bf16_with_specials((rows, n), g), _bf16_with_specials((rows, n), g)
+                residual[::2] = (residual[::2].float() * 1e-38).to(torch.bfloat16)  # denormal sums and norms
+                x[::2] = (x[::2].float() * 1e-38).to(torch.bfloat16)
+                if op == "rms_norm":
+                    outs.append(kernel.fused_rms_norm(residual, w, 1e-30).clone())
+                else:
+                    kernel.fused_add_rms_norm(residual, x, w, 1e-30)
+                    outs.append(torch.cat([residual, x]).clone())
+            else:
+                d, hq, hk = 64, 9, 3
+                q, k = _bf16_with_specials((rows, hq * d), g), _bf16_with_specials((rows, hk * d), g)
+                q[::2] = (q[::2].float() * 1e-38).to(torch.bfloat16)
+                cos, sin = torch.rand(rows, d, generator=g).to(torch.bfloat16), torch.rand(rows, d, generator=g)
+                kernel.fused_rope(q, k, cos, sin.to(torch.bfloat16))
+                outs.append(torch.cat([q.view(-1), k.view(-1)]).clone())
+        finally:
+            kernel.fused_set_scalar(previous)
+    vector, scalar_out = outs
+    values = vector.float()
+    assert bool(torch.isnan(values).any()), "no NaN result: the case no longer tests NaN rounding"
+    assert bool(((values.abs() < 1.2e-38) & (values != 0)).any()), "no denormal result: the case tests none"
+    mismatch = (_bits(vector) != _bits(scalar_out)).nonzero()
+    assert mismatch.numel() == 0, f"{mismatch.shape[0]} elements differ, first at {mismatch[0].tolist()}"
+
+
 def test_kernels_reject_what_they_cannot_do(kernel):
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="dtype"):
