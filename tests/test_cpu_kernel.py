@@ -212,19 +212,29 @@ def test_linear_amx_silu_equals_the_projections_and_fused_silu(rows):
 
 def _gate_up_case(rows: int, inter: int, hidden: int, nan_col: int):
     """gate, up [inter, hidden] and x [rows, hidden] in bf16, large enough for SiLU's saturation, with a NaN in gate
-    column ``nan_col``."""
+    column ``nan_col``. Row 0 of x has one nonzero input (64), the gates' first weights run from -0.8 to -0.6 and
+    the ups' are 2^-70, so its gate sums are -51 to -38 and its up sums 2^-64, exact: SiLU(gate) * up is an fp32
+    denormal in most columns (the rounding of denormals, which vcvtneps2bf16 would flush, must stay torch's)."""
     g = torch.Generator().manual_seed(rows)
     gate = (torch.randn(inter, hidden, generator=g) * 0.3).to(torch.bfloat16)
     up = (torch.randn(inter, hidden, generator=g) * 0.3).to(torch.bfloat16)
+    gate[:, 0] = (-0.8 + 0.2 * torch.arange(inter) / inter).to(torch.bfloat16)
+    up[:, 0] = 2.0**-70
     gate[nan_col, 5] = float("nan")
-    return gate, up, (torch.randn(rows, hidden, generator=g) * 4).to(torch.bfloat16)
+    x = (torch.randn(rows, hidden, generator=g) * 4).to(torch.bfloat16)
+    x[0] = 0.0
+    x[0, 0] = 64.0
+    return gate, up, x
 
 
 def _assert_gate_up(got: torch.Tensor, want: torch.Tensor, nan_col: int) -> None:
-    """got [1, rows, inter] is bf16, NaN down column ``nan_col``, and bit for bit ``want`` [rows, inter]."""
+    """got [1, rows, inter] is bf16, NaN down column ``nan_col``, denormals in row 0, and bit for bit ``want``
+    [rows, inter]."""
     rows, inter = want.shape
     assert got.shape == (1, rows, inter) and got.dtype == torch.bfloat16
     assert torch.isnan(got[0, :, nan_col]).all()
+    row0 = got[0, 0].float().abs()
+    assert int(((row0 > 0) & (row0 < 1.1754944e-38)).sum()) > inter // 4  # the denormal products are there
     assert torch.equal(got.view(rows, inter).view(torch.int16), want.view(torch.int16))
 
 
