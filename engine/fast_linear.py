@@ -336,6 +336,45 @@ def _machine_busy() -> str | None:
     return f"load average {load:.1f} on {cores} cores" if load > cores + 0.5 else None
 
 
+OTHERS_BUSY_SHARE = 0.25  # other processes' share of the machine's CPUs above which a calibration is not trusted
+
+
+def _cpu_sample() -> tuple[float, int, int] | None:
+    """(monotonic seconds, busy jiffies of the whole machine, jiffies of this process), or None where /proc does not
+    tell. The machine's busy time counts steal (a hypervisor's other guests) and leaves out idle and iowait."""
+    try:
+        cpu = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        busy = sum(cpu) - cpu[3] - cpu[4]  # user nice system [idle iowait] irq softirq steal
+        stat = Path("/proc/self/stat").read_text()
+        own = stat[stat.rindex(")") + 2 :].split()  # from field 3 (state) on: the name may hold spaces
+        mine = int(own[11]) + int(own[12])  # utime and stime, all threads
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.monotonic(), busy, mine
+
+
+def _others_share_since(start: tuple[float, int, int] | None) -> float | None:
+    """The share of the machine's CPUs that other processes (and steal) used since ``start`` (``_cpu_sample``), or
+    None when /proc does not tell or less than 0.2 s passed (too short for 10 ms jiffies)."""
+    end = _cpu_sample()
+    if start is None or end is None or end[0] - start[0] < 0.2:
+        return None
+    capacity = (end[0] - start[0]) * os.sysconf("SC_CLK_TCK") * (os.cpu_count() or 1)
+    return max(0.0, ((end[1] - start[1]) - (end[2] - start[2])) / capacity) if capacity > 0 else None
+
+
+def _others_busy_since(start: tuple[float, int, int] | None) -> str | None:
+    """Why timings taken since ``start`` were not this process's alone (other processes used more than
+    ``OTHERS_BUSY_SHARE`` of the machine's CPUs meanwhile), or None. The load average (``_machine_busy``) lags by
+    a minute: a worker started while a ``pip install`` ran beside it on the 2-core EPYC was not marked busy by it,
+    calibrated SmolLM2's k/v projections off the kernel (576x192: 0 rows, ANY on the quiet machine), which also
+    turned off q/k/v in one pass, and kept that."""
+    share = _others_share_since(start)
+    if share is None or share <= OTHERS_BUSY_SHARE:
+        return None
+    return f"other processes used {share:.0%} of the {os.cpu_count() or 1} CPUs"
+
+
 def _calibration_cache_on() -> bool:
     return os.environ.get(CALIBRATION_CACHE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
@@ -383,6 +422,7 @@ def install(
     limits: dict[tuple[int, int, torch.dtype], tuple[int, int]] = {}  # (kernel, oneDNN) row limits
     use_cache = max_rows is None and calibration_cache is not None and _calibration_cache_on()
     cache = _CalibrationCache(calibration_cache) if use_cache and calibration_cache is not None else None
+    sample = _cpu_sample() if cache is not None else None
     count = 0
     for module in model.modules():
         if not _eligible(module, kernel):
@@ -431,6 +471,8 @@ def install(
         lin._batchery_max_rows = limit
         count += 1
     if cache is not None and cache.dirty:
+        if cache.busy is None:  # quiet at the start; was it while this calibrated?
+            cache.busy = _others_busy_since(sample)
         if cache.busy is not None:
             log.warning("CPU kernels calibrated while %s: kept until a start on a quiet machine redoes it", cache.busy)
         cache.save()

@@ -312,6 +312,7 @@ def kernels(tmp_path, monkeypatch):
     from batchery.engine import fast_linear
 
     monkeypatch.setattr(fast_linear, "_machine_busy", lambda: None)  # the suite may run beside other work
+    monkeypatch.setattr(fast_linear, "OTHERS_BUSY_SHARE", 2.0)  # no share of the CPUs counts as busy
     return kernel
 
 
@@ -504,6 +505,60 @@ def test_calibration_on_a_busy_machine_is_redone_on_a_quiet_one(kernels, monkeyp
     assert _limits(model) != [7]  # quiet: calibrated again
     entry = _only_host(path)
     assert "busy" not in entry and entry["limits"]["64x128:float32"] != 7
+
+
+def _spin(n: int) -> list:
+    """n processes that keep a CPU each busy until killed."""
+    import subprocess
+    import sys
+
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def _stop(procs: list) -> None:
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_others_share_counts_other_processes_and_not_this_one():
+    """This process's own threads at work are not others'; processes spinning on every CPU are."""
+    from batchery.engine import fast_linear
+
+    start = fast_linear._cpu_sample()
+    assert start is not None
+    x = torch.randn(384, 384)
+    t = time.monotonic()
+    while time.monotonic() - t < 0.6:  # torch's threads busy in this process
+        x = torch.tanh(x @ x)
+    mine = fast_linear._others_share_since(start)
+    procs = _spin(os.cpu_count() or 1)
+    try:
+        time.sleep(0.2)
+        start = fast_linear._cpu_sample()
+        time.sleep(0.6)
+        others = fast_linear._others_share_since(start)
+        busy = fast_linear._others_busy_since(start)
+    finally:
+        _stop(procs)
+    assert mine is not None and mine < 0.5, mine
+    assert others is not None and others > 0.6, others
+    assert busy is not None and busy.startswith("other processes used")
+
+
+def test_calibration_while_other_processes_ran_is_kept_marked_busy(kernels, monkeypatch):
+    """The load average said quiet (patched by the fixture), but other processes took the CPUs while the layers
+    calibrated: the results are kept marked busy, so the next quiet start calibrates again."""
+    from batchery.engine import fast_linear
+
+    monkeypatch.setattr(fast_linear, "OTHERS_BUSY_SHARE", 0.25)  # the real threshold (the fixture lifted it)
+    path = loader.calibration_cache_path()
+    procs = _spin(os.cpu_count() or 1)
+    try:
+        fast_linear.install(_linears((576, 1536), (1536, 576)), calibration_cache=path)
+    finally:
+        _stop(procs)
+    assert _only_host(path)["busy"].startswith("other processes used")
 
 
 def test_machine_busy_reads_the_load_average():
