@@ -897,11 +897,11 @@ void store_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v
 // y[i, n] = sum_k x[i, k] w[n, k]; wp is the weight packed as uint32 [K/2, N]: (w[n][2k], w[n][2k+1]).
 // Same 6 x 64 register tile as the fp32 kernel; vdpbf16ps multiplies a pair of k per lane.
 // fp32 -> bf16 as torch's vectorized CPU conversion rounds (to nearest, ties to even; a NaN becomes 0xFFFF), 16 lanes;
-// NaN_BITS 0x7FC0: as cpu_fused rounds (its vbf16_bits). One vcvtneps2bf16 rounds every lane alike except a NaN (it
-// keeps the payload) and an fp32 denormal (flushed to zero): a vector holding one of those, or a zero (fpclass 0xA7:
-// under DAZ the class test calls a denormal zero), takes the integer rounding (cpu_fused's vbf16_pack, checked on
-// all 2^32 floats with and without DAZ). The gate/up passes round four times per output, the AMX one on sums its
-// tiles make fast.
+// NaN_BITS 0x7FC0: as cpu_fused rounds (its vbf16_bits; its vbf16_pack calls this). One vcvtneps2bf16 rounds every
+// lane alike except a NaN (it keeps the payload) and an fp32 denormal (flushed to zero): a vector holding one of
+// those, or a zero (fpclass 0xA7: under DAZ the class test calls a denormal zero), takes the integer rounding
+// (checked on all 2^32 floats with and without DAZ). The gate/up passes round four times per output, the AMX one on
+// sums its tiles make fast.
 template <int NaN_BITS = 0xFFFF>
 static inline __m256i bf16_round16(__m512 v) {
 #ifdef __AVX512DQ__

@@ -162,8 +162,8 @@ def test_silu_mul_matches_llama_mlp_activation(kernel, path, dtype, n):
 
 
 def _bf16_with_specials(shape: tuple[int, ...], g: torch.Generator, scale: float = 1.0) -> torch.Tensor:
-    """Random bf16 values with a few NaNs, zeros, infinities and bf16 denormals sprinkled in (every 7th element
-    of some rows), so that some 16-lane vectors hold them and most do not."""
+    """Random bf16 values with NaNs, zeros, infinities and bf16 denormals put at random places (one element in 97),
+    so that some 16-lane vectors hold them and most do not."""
     t = torch.randn(*shape, generator=g) * scale
     flat = t.view(-1)
     specials = torch.tensor([float("nan"), -float("nan"), 0.0, -0.0, float("inf"), -float("inf"), 1e-39, -3e-40, 1e-45])
