@@ -1396,13 +1396,32 @@ class Chaos:
         recovery = time.time() - first_death if first_death else None
         records = {r["custom_id"]: r for r in c.batch_results(job)}
         max_deliveries = 3  # BATCHERY_MAX_DELIVERIES' default
-        named = all(
-            f"delivered {max_deliveries} times"
-            in ((records.get(lines[i]["custom_id"]) or {}).get("error") or {}).get("message", "")
-            for i in bad
-        )
         dl = DeadLetters(c.jobs.r, f"{q}:deadletter")
         letters = {e["id"]: e for e in dl.list(1000)}
+
+        def names_its_deliveries(i: int) -> bool:
+            """The line's engine_crash record names the deliveries that died, as its dead-letter entry counts
+            them: at least K, the last of them (K - 2 for K = 3) alone, and no more than the worker died. Not
+            always K: two poison lines in flight together both die twice; then one of them runs alone and the
+            other, waiting for the turn, dies a third time, not alone, and is dead-lettered after a fourth."""
+            message = ((records.get(lines[i]["custom_id"]) or {}).get("error") or {}).get("message", "")
+            entry = letters.get(f"{job}-{i + 1}") or {}
+            died, alone = entry.get("deliveries", 0), entry.get("deliveries_alone", 0)
+            return (
+                max_deliveries <= died <= len(exits)
+                and alone >= max_deliveries - 2
+                and f"delivered {died} times and the worker process died each time ({alone} of them running alone)"
+                in message
+            )
+
+        named = all(names_its_deliveries(i) for i in bad)
+        self.say(
+            "kill-poison: "
+            + "; ".join(
+                f"{lines[i]['custom_id']}: {(letters.get(f'{job}-{i + 1}') or {}).get('message', 'not dead-lettered')}"
+                for i in sorted(bad)
+            )
+        )
         dead_lettered = all(letters.get(f"{job}-{i + 1}", {}).get("reason") == WORKER_DIED for i in bad) and len(
             letters
         ) == len(bad)

@@ -52,6 +52,84 @@ def test_delivery_counts_keep_only_deliveries_that_died(redis_urls):
         d.clear("t1")
 
 
+# One worker process, simulated: each task id in argv (in that order, one thread each) is delivered through
+# ``batchery.tasks.redelivery.attempt`` and, once in, stays in; then the process dies (``os._exit``), as if
+# the last request's step had segfaulted, leaving every delivery it had begun counted. Prints one JSON line
+# per request that got in (``solo``: it runs alone) or failed for good (``crash``: the EngineCrash message).
+# A suspect that arrives while another holds the turn to run alone dies waiting for it.
+_DYING_PROCESS = r"""
+import json, os, sys, threading, time
+from types import SimpleNamespace
+from batchery.contract.errors import EngineCrash
+from batchery.contract.generation import GenerationRequest
+from batchery.tasks.redelivery import attempt, deliveries
+
+url, prefix, limit, ids = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+deadletter = SimpleNamespace(
+    deliveries_prefix=prefix + ":deliveries", key_prefix=prefix + ":deadletter", max_entries=100)
+app = SimpleNamespace(batchery_settings=SimpleNamespace(
+    max_deliveries=limit, result_backend=url, visibility_timeout=None, queue="q", deadletter=deadletter))
+
+def deliver(tid):
+    req = SimpleNamespace(id=tid, delivery_info={}, args=[], kwargs={"custom_id": tid}, hostname="sim")
+    task = SimpleNamespace(name="batchery.batch_line", app=app, request=req)
+    try:
+        with attempt(task, GenerationRequest(), 60) as (g, _):
+            print(json.dumps({"id": tid, "solo": g.solo}), flush=True)
+            time.sleep(3600)  # its step never ends: the process dies under it
+    except EngineCrash as exc:
+        print(json.dumps({"id": tid, "crash": str(exc)}), flush=True)
+
+counters = deliveries(app)
+for tid in ids:
+    opened = counters.get(tid).get("open", 0)
+    threading.Thread(target=deliver, args=(tid,), daemon=True).start()
+    t0 = time.monotonic()
+    while counters.get(tid).get("open", 0) == opened and time.monotonic() - t0 < 10:
+        time.sleep(0.01)  # until this delivery is counted
+    time.sleep(0.3)  # ... and is in, has failed for good, or waits for the turn to run alone
+os._exit(70)
+"""
+
+
+def test_engine_crash_names_the_deliveries_of_two_poison_lines_in_flight_together(redis_urls):
+    """Two lines that kill the worker process, A and B, delivered together (chaos row 14). Both die twice
+    beside each other and become suspects; A takes the process's turn to run alone, and B, waiting for the
+    turn, dies with it a third time, not alone. A is then dead-lettered (3 deliveries, 1 alone); B is not
+    (no death of its own yet), runs alone, dies a fourth time, and is dead-lettered with 4. Each line's
+    ``EngineCrash`` (its ``engine_crash`` record) names the deliveries its dead-letter entry counts."""
+    r = redis_client(redis_urls[1])
+    prefix = f"batchery:test-deathcount-{os.getpid()}"
+    limit = 3  # BATCHERY_MAX_DELIVERIES' default, as in chaos row 14
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def process(*ids: str) -> dict[str, dict]:
+        p = subprocess.run(
+            [sys.executable, "-c", _DYING_PROCESS, redis_urls[1], prefix, str(limit), *ids],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert p.returncode == EXIT_ON_CODE, p.stderr
+        return {o["id"]: o for o in map(json.loads, p.stdout.splitlines())}
+
+    try:
+        assert process("A", "B") == {"A": {"id": "A", "solo": False}, "B": {"id": "B", "solo": False}}
+        assert process("A", "B") == {"A": {"id": "A", "solo": False}, "B": {"id": "B", "solo": False}}
+        assert process("A", "B") == {"A": {"id": "A", "solo": True}}  # B died waiting for A's run alone
+        fourth = process("A", "B")
+        assert fourth["B"] == {"id": "B", "solo": True}
+        fifth = process("B")
+        dl = DeadLetters(r, f"{prefix}:deadletter")
+        crashes = {"A": fourth["A"]["crash"], "B": fifth["B"]["crash"]}
+        for tid, deliveries, alone in (("A", 3, 1), ("B", 4, 1)):
+            entry = dl.get(tid)
+            assert (entry["deliveries"], entry["deliveries_alone"]) == (deliveries, alone), entry
+            named = f"delivered {deliveries} times and the worker process died each time ({alone} of them running alone"
+            for message in (crashes[tid], entry["message"]):
+                assert message.startswith(named), (tid, message)
+    finally:
+        r.delete(*r.keys(f"{prefix}:*") or ["-"])
+
+
 def test_dead_letters_are_bounded_json_newest_first(redis_urls):
     r = redis_client(redis_urls[1])
     dl = DeadLetters(r, f"batchery:test-deadletter-{os.getpid()}", max_entries=3)
