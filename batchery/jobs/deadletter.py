@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 from batchery.contract.names import BATCH_LINE_TASK, ENQUEUED_AT_HEADER
+from batchery.jobs import lua
 
 MAX_PAYLOAD_BYTES = 1 << 20  # args + kwargs as JSON; a batch line of BATCHERY_BATCH__MAX_LINE_BYTES (1 MiB) fits
 PREVIEW_CHARS = 2048  # of a payload too large to keep
@@ -36,21 +37,6 @@ MAX_TEXT_CHARS = 1000  # task name, queue, message, hostname
 
 WORKER_DIED = "worker_died"
 INVALID_MESSAGE = "invalid_message"
-
-# KEYS: entries, index   ARGV: id, entry JSON without its closing brace, max entries
-_ADD = """
-local t = redis.call('TIME')
-local now = string.format('%d.%06d', tonumber(t[1]), tonumber(t[2]))
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ',"dead_lettered_at":' .. now .. '}')
-redis.call('ZADD', KEYS[2], now, ARGV[1])
-local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[3])
-if extra > 0 then
-  local old = redis.call('ZRANGE', KEYS[2], 0, extra - 1)
-  redis.call('ZREMRANGEBYRANK', KEYS[2], 0, extra - 1)
-  for _, id in ipairs(old) do redis.call('HDEL', KEYS[1], id) end
-end
-return now
-"""
 
 
 def _s(v: Any) -> str:
@@ -114,7 +100,7 @@ class DeadLetters:
         self.r = redis_client
         self.prefix = prefix
         self.max_entries = int(max_entries)
-        self._add = self.r.register_script(_ADD)
+        self._add = self.r.register_script(lua.load("deadletter_add"))
 
     @property
     def entries_key(self) -> str:

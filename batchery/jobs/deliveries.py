@@ -20,28 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# KEYS: counter   ARGV: ttl   ->  {open before this delivery, alone, first_at}
-_BEGIN = """
-local t = redis.call('TIME')
-local now = string.format('%d.%06d', tonumber(t[1]), tonumber(t[2]))
-local open = redis.call('HINCRBY', KEYS[1], 'open', 1)
-redis.call('HSETNX', KEYS[1], 'first_at', now)
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-return {open - 1, tonumber(redis.call('HGET', KEYS[1], 'alone') or '0'), redis.call('HGET', KEYS[1], 'first_at')}
-"""
-
-# KEYS: counter   ARGV: ttl, 1 if the run was alone
-# A delivery that ended without showing the request is harmless (an engine failure, a requeue): it
-# leaves the deliveries that died before it counted.
-_KEEP = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-if tonumber(redis.call('HGET', KEYS[1], 'open') or '0') > 0 then redis.call('HINCRBY', KEYS[1], 'open', -1) end
-if ARGV[2] == '1' and tonumber(redis.call('HGET', KEYS[1], 'alone') or '0') > 0 then
-  redis.call('HINCRBY', KEYS[1], 'alone', -1)
-end
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-return 1
-"""
+from batchery.jobs import lua
 
 
 @dataclass(frozen=True)
@@ -60,8 +39,8 @@ class Deliveries:
         self.r = redis_client
         self.prefix = prefix
         self.ttl = int(ttl)
-        self._begin = self.r.register_script(_BEGIN)
-        self._keep = self.r.register_script(_KEEP)
+        self._begin = self.r.register_script(lua.load("deliveries_begin"))
+        self._keep = self.r.register_script(lua.load("deliveries_keep"))
 
     def key(self, task_id: str) -> str:
         return f"{self.prefix}:{task_id}"

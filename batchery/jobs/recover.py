@@ -5,18 +5,18 @@ its ``unacked`` hash (which is what brings it back after a worker dies). If Redi
 worker dies, between the two, the message is gone: persistence cannot help, the pop itself was
 persisted. A batch job would then wait forever for that line.
 
-The submitter keeps a copy of every line's message in the job's ``pending`` ledger until the line
-is recorded (``batchery.jobs.store``). A line is lost when the job is ``in_progress`` and the line is
-still pending, but no copy of its message waits in the queue, no worker holds it unacknowledged, and no
-worker has a live lease on it. Each line is looked up in the queue itself (``queued_lines``: a script
-reads the queue's lists a bounded piece at a time and picks out the task ids of the jobs asked about),
-so other messages on the queue, of other jobs or of the same one, hide nothing. A look reads the queue,
-then ``unacked``, then the leases, then the ledger: the order a message moves in, so one moving on during
-the look is still seen in a later place. The look runs twice, a moment apart, so a message caught between
-``BRPOP`` and its ``unacked`` record is not taken for lost. A lost line's message goes back to the head
-of its queue with a fresh delivery tag; should the original turn up after all, the line is claimed and
-recorded once (``JobStore.claim``/``write``), so a false alarm costs a duplicate run, never a duplicate
-record.
+The submitter keeps a copy of every line's message in the job's ``pending`` ledger until the line is
+recorded (``batchery.jobs.store``). A line is lost when the job is ``in_progress`` and the line is still
+pending, but no copy of its message waits in the queue, no worker holds it unacknowledged, and no worker has
+a live lease on it. Each line is looked up in the queue itself (``queued_lines``: a script,
+``lua/recovery_queued.lua``, reads the queue's lists a bounded piece at a time and picks out the task ids of
+the jobs asked about), so other messages on the queue, of other jobs or of the same one, hide nothing. A
+look reads the queue, then ``unacked``, then the leases, then the ledger: the order a message moves in, so
+one moving on during the look is still seen in a later place. The look runs twice, a moment apart, so a
+message caught between ``BRPOP`` and its ``unacked`` record is not taken for lost. A lost line's message
+goes back to the head of its queue with a fresh delivery tag; should the original turn up after all, the
+line is claimed and recorded once (``JobStore.claim``/``write``), so a false alarm costs a duplicate run,
+never a duplicate record.
 
 Who looks: every worker, one at a time (``RecoveryLock``), every ``BATCHERY_RECOVERY_INTERVAL`` seconds,
 at the in-progress jobs of its queue that have recorded no line for that long (``recover_queue``, from
@@ -34,6 +34,7 @@ import uuid
 
 from batchery.broker import affinity
 from batchery.broker.queues import queue_key, queue_keys
+from batchery.jobs import lua
 
 log = logging.getLogger("batchery.recover")
 
@@ -43,61 +44,6 @@ SCAN_MAX_BYTES = 8 << 20  # and bytes: each call holds Redis for a few milliseco
 SCAN_MAX_CALLS = 10_000  # calls per list and look: a list growing faster than it is read is left for later
 MAX_JOBS_PER_ROUND = 50  # quiet jobs a recovery round looks at
 LOCK_PREFIX = "batchery:recovery"
-
-# KEYS: one of a queue's lists   ARGV: start index, max messages, max bytes, then the job ids looked for
-# Returns {next index, the list's length, {job, line, job, line, ...}}. Reads from the left (the newest end):
-# pushes at the left only move unread messages further right and pops at the right take only unread ones, so
-# no message that stays in the list is skipped. A message's task id is its ``"id":`` key's value (headers.id;
-# the body is base64, so nothing else in the message spells it); compact and spaced JSON both match.
-_QUEUED = """
-local wanted = {}
-for i = 4, #ARGV do wanted[ARGV[i]] = true end
-local i = tonumber(ARGV[1])
-local stop = i + tonumber(ARGV[2])
-local max_bytes = tonumber(ARGV[3])
-local bytes = 0
-local found = {}
-while i < stop and bytes < max_bytes do
-  local batch = redis.call('LRANGE', KEYS[1], i, math.min(i + 31, stop - 1))
-  if #batch == 0 then break end
-  for _, msg in ipairs(batch) do
-    bytes = bytes + #msg
-    local pos = 1
-    while true do
-      local s, e = string.find(msg, '"id":', pos, true)
-      if not s then break end
-      local id = string.match(msg, '^%s*"([^"]*)"', e + 1)
-      if id then
-        local job, line = string.match(id, '^(.*)%-(%d+)$')
-        if job and wanted[job] then
-          found[#found + 1] = job
-          found[#found + 1] = line
-        end
-      end
-      pos = e + 1
-    end
-  end
-  i = i + #batch
-end
-return {i, redis.call('LLEN', KEYS[1]), found}
-"""
-
-# KEYS: the lock   ARGV: token, ttl ms. Takes the lock, or keeps it if the token holds it already.
-_ACQUIRE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
-return 0
-"""
-# KEYS: the lock   ARGV: token, ttl ms
-_EXTEND = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
-"""
-# KEYS: the lock   ARGV: token
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 
 def _s(v) -> str:
@@ -114,9 +60,9 @@ class RecoveryLock:
         self.key = f"{LOCK_PREFIX}:{queue}"
         self.token = uuid.uuid4().hex
         self.ttl_ms = max(1, int(ttl_s * 1000))
-        self._acquire = broker.register_script(_ACQUIRE)
-        self._extend = broker.register_script(_EXTEND)
-        self._release = broker.register_script(_RELEASE)
+        self._acquire = broker.register_script(lua.load("recovery_lock_acquire"))
+        self._extend = broker.register_script(lua.load("recovery_lock_extend"))
+        self._release = broker.register_script(lua.load("recovery_lock_release"))
 
     def acquire(self) -> bool:
         return bool(self._acquire(keys=[self.key], args=[self.token, self.ttl_ms]))
@@ -136,7 +82,7 @@ def queued_lines(broker, queue: str, jobs: list[str]) -> dict[str, set[int]] | N
     found: dict[str, set[int]] = {j: set() for j in jobs}
     if not jobs:
         return found
-    script = broker.register_script(_QUEUED)
+    script = broker.register_script(lua.load("recovery_queued"))
     keys = list(queue_keys(queue))
     for host in sorted(broker.smembers(affinity.registry_key(queue))):
         keys += queue_keys(affinity.direct_queue(queue, _s(host)))

@@ -10,8 +10,8 @@ Keys (``prefix`` is ``BATCHERY_BATCH__KEY_PREFIX``, default ``batchery:batch``):
     {prefix}:index          zset  job id, scored by creation time
 
 **TTL.** A job's keys never expire while it runs, however long that takes. When it ends (``completed``,
-``failed``, ``expired`` or ``cancelled``: the ``finish`` of the Lua prelude) the job hash and its records get the TTL
-(``BATCHERY_BATCH__TTL``), ``expires_at`` says when, and the leases and the ledger are deleted; a record
+``failed``, ``expired`` or ``cancelled``: the ``finish`` of ``lua/prelude.lua``) the job hash and its records get
+the TTL (``BATCHERY_BATCH__TTL``), ``expires_at`` says when, and the leases and the ledger are deleted; a record
 written after the end (a line that finished just too late) inherits the job's TTL. ``create`` drops from the
 index the jobs older than the TTL whose keys have expired, and repairs (``status``) those that never ended, so
 a job whose submitter died is failed and then expires like any other.
@@ -23,7 +23,8 @@ deadlines are written by one machine and compared by another, whose clocks may d
 the job's status first and refuses (``"gone"``, or a nil reply), so no write recreates a hash without id,
 status or TTL. A hash that is no job (left by older code) raises ``JobMalformed`` and is given the TTL.
 
-Every transition is one Lua script, so it is atomic against every other writer:
+Every transition is one Lua script, so it is atomic against every other writer (one ``.lua`` file each in
+``batchery/jobs/lua/``, which opens with its KEYS, ARGV, reply and promises):
 
 - ``claim``: a worker may run a line only while the job is ``validating`` or ``in_progress``, the
   line has no record yet and the job's completion window (if any) has not ended; it takes a lease on the line.
@@ -72,6 +73,7 @@ from collections.abc import Iterator
 from batchery.contract.batch import BATCH_EXPIRED, error_record
 from batchery.contract.errors import InvalidRequest
 from batchery.contract.schemas import TERMINAL_STATUSES, BatchJob
+from batchery.jobs import lua
 
 log = logging.getLogger("batchery.jobs")
 
@@ -86,306 +88,6 @@ EXPIRE_PIECE = 500  # pending lines recorded batch_expired per script call (each
 EXPIRE_LOCK_S = 60.0  # one expire() at a time per job (API replicas polling the same job); a dead holder's lapses
 MAX_WINDOW_S = 30 * 86400.0  # the longest completion window a job may have
 EXPIRED_MESSAGE = "the batch's completion window ended before this line started"
-
-_PRELUDE = """
-local function server_now()
-  local t = redis.call('TIME')
-  return string.format('%d.%06d', tonumber(t[1]), tonumber(t[2]))
-end
-local function finish(job, results, running, status, now, ttl)
-  local expires = string.format('%.6f', tonumber(now) + tonumber(ttl))
-  redis.call('HSET', job, 'status', status, status .. '_at', now, 'expires_at', expires)
-  redis.call('EXPIRE', job, ttl)
-  if redis.call('EXISTS', results) == 1 then redis.call('EXPIRE', results, ttl) end
-  redis.call('DEL', running)
-  if KEYS[4] then redis.call('DEL', KEYS[4]) end
-end
-local function live_leases(running, now)
-  local leases = redis.call('HGETALL', running)
-  for i = 1, #leases, 2 do
-    if tonumber(leases[i + 1]) < tonumber(now) then redis.call('HDEL', running, leases[i]) end
-  end
-  return redis.call('HLEN', running)
-end
-local function inherit_ttl(key, job)
-  if redis.call('TTL', key) < 0 then
-    local ttl = redis.call('TTL', job)
-    if ttl > 0 then redis.call('EXPIRE', key, ttl) end
-  end
-end
-local function num(job, field)
-  return tonumber(redis.call('HGET', job, field) or '0') or 0
-end
-local function window_passed(job, now)
-  local ends = tonumber(redis.call('HGET', job, 'window_ends_at') or '')
-  return ends ~= nil and tonumber(now) >= ends
-end
--- after a new record was counted: the last record of an in_progress job makes it finalizing, the last lease of a
--- cancelling one makes it cancelled
-local function settle(job, results, running, status, ttl)
-  if status == 'in_progress' then
-    if num(job, 'completed') + num(job, 'failed') >= num(job, 'total') then
-      redis.call('HSET', job, 'status', 'finalizing', 'finalizing_at', server_now())
-      return 'finalizing'
-    end
-  elseif status == 'cancelling' then
-    local now = server_now()
-    if live_leases(running, now) == 0 then
-      finish(job, results, running, 'cancelled', now, ttl)
-      return 'cancelled'
-    end
-  end
-  return status
-end
--- a line its job's completion window ended before it started: its batch_expired record, counted as failed, once
-local function expire_line(job, results, pending, line, record, now)
-  if redis.call('HSETNX', results, line, record) == 0 then return 0 end
-  redis.call('HDEL', pending, line)
-  inherit_ttl(results, job)
-  redis.call('HINCRBY', job, 'failed', 1)
-  redis.call('HINCRBY', job, 'expired_lines', 1)
-  redis.call('HSET', job, 'progress_at', now)
-  return 1
-end
-"""
-
-# KEYS: job, index   ARGV: job id, ttl, prefix, then the job's fields and values (timestamps are added here)
-# Returns the ids of jobs created more than a TTL ago that still exist and have not ended (for the caller to repair).
-_CREATE = (
-    _PRELUDE
-    + """
-local now = server_now()
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'created_at', now, 'submit_beat', now, unpack(ARGV, 4))
-local window = tonumber(redis.call('HGET', KEYS[1], 'window_s') or '')
-if window then redis.call('HSET', KEYS[1], 'window_ends_at', string.format('%.6f', tonumber(now) + window)) end
-redis.call('ZADD', KEYS[2], now, ARGV[1])
-local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', tonumber(now) - tonumber(ARGV[2]), 'LIMIT', 0, 1000)
-local unended = {}
-for _, id in ipairs(old) do
-  local status = redis.call('HGET', ARGV[3] .. ':' .. id, 'status')
-  if not status then
-    if redis.call('EXISTS', ARGV[3] .. ':' .. id) == 0 then redis.call('ZREM', KEYS[2], id) end
-  elseif status ~= 'completed' and status ~= 'failed' and status ~= 'expired' and status ~= 'cancelled' then
-    table.insert(unended, id)
-  end
-end
-return unended
-"""
-)
-
-# KEYS: job, results, running, pending   ARGV: number of new lines, max line, the submitter's token ('': any)
-# Returns the status (nil: no job; 'superseded': another submitter took the job over; nothing is written then).
-_CHUNK = (
-    _PRELUDE
-    + """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return false end
-if ARGV[3] and ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'submitter') ~= ARGV[3] then return 'superseded' end
-if tonumber(ARGV[1]) > 0 then redis.call('HINCRBY', KEYS[1], 'total', ARGV[1]) end
-redis.call('HSET', KEYS[1], 'max_line', ARGV[2], 'submit_beat', server_now())
-return status
-"""
-)
-
-# KEYS: job, results, running, pending   ARGV: line, message, line, message, ...
-_LEDGER = (
-    _PRELUDE
-    + """
-local status = redis.call('HGET', KEYS[1], 'status')
-if status ~= 'validating' then return 0 end
-for i = 1, #ARGV, 1000 do  -- unpack is bounded by Lua's C stack (8000): a chunk of any size goes in pieces
-  redis.call('HSET', KEYS[4], unpack(ARGV, i, math.min(i + 999, #ARGV)))
-end
-return 1
-"""
-)
-
-# KEYS: job, results, running, pending   ARGV: line, lease seconds, the line's batch_expired record, ttl
-# Returns 'run', 'done', 'gone', the status, or {'expired', status} (the window had ended: the line is recorded).
-_CLAIM = (
-    _PRELUDE
-    + """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return 'gone' end
-if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 'done' end
-if status ~= 'validating' and status ~= 'in_progress' then return status end
-local now = server_now()
-if window_passed(KEYS[1], now) then
-  redis.call('HDEL', KEYS[3], ARGV[1])
-  expire_line(KEYS[1], KEYS[2], KEYS[4], ARGV[1], ARGV[3], now)
-  return {'expired', settle(KEYS[1], KEYS[2], KEYS[3], status, ARGV[4])}
-end
-redis.call('HSETNX', KEYS[1], 'started_at', now)
-redis.call('HSET', KEYS[3], ARGV[1], string.format('%.6f', tonumber(now) + tonumber(ARGV[2])))
-inherit_ttl(KEYS[3], KEYS[1])
-return 'run'
-"""
-)
-
-# KEYS: job, results, running, pending
-# ARGV: line, record, counter (completed|failed), prompt_tokens, completion_tokens, ttl, cached_tokens (of the prompt
-# tokens, those served from the prefix cache; optional)
-_WRITE = (
-    _PRELUDE
-    + """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return {0, 'gone'} end
-redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('HDEL', KEYS[4], ARGV[1])
-if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then return {0, status} end
-inherit_ttl(KEYS[2], KEYS[1])
-redis.call('HSET', KEYS[1], 'progress_at', server_now())
-redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
-if tonumber(ARGV[4]) > 0 then redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[4]) end
-if tonumber(ARGV[5]) > 0 then redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[5]) end
-if ARGV[7] and tonumber(ARGV[7]) > 0 then redis.call('HINCRBY', KEYS[1], 'cached_tokens', ARGV[7]) end
-return {1, settle(KEYS[1], KEYS[2], KEYS[3], status, ARGV[6])}
-"""
-)
-
-# KEYS: job, results, running, pending   ARGV: line, ttl
-_RELEASE = (
-    _PRELUDE
-    + """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return 'gone' end
-redis.call('HDEL', KEYS[3], ARGV[1])
-if status == 'cancelling' then
-  local now = server_now()
-  if live_leases(KEYS[3], now) == 0 then
-    finish(KEYS[1], KEYS[2], KEYS[3], 'cancelled', now, ARGV[2])
-    return 'cancelled'
-  end
-end
-return status
-"""
-)
-
-# KEYS: job, results, running, pending   ARGV: ttl
-_CANCEL = (
-    _PRELUDE
-    + """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return 'gone' end
-if status ~= 'validating' and status ~= 'in_progress' and status ~= 'cancelling' then return status end
-local now = server_now()
-if status ~= 'cancelling' then redis.call('HSET', KEYS[1], 'status', 'cancelling', 'cancelling_at', now) end
-if live_leases(KEYS[3], now) == 0 then
-  finish(KEYS[1], KEYS[2], KEYS[3], 'cancelled', now, ARGV[1])
-  return 'cancelled'
-end
-return 'cancelling'
-"""
-)
-
-# KEYS: job, results, running, pending
-# ARGV: total ('' keeps), max_line ('' keeps), ttl, errors JSON ('' = none),
-#       stale seconds ('' = now; else only if the submitter has not beaten for that long: the repair),
-#       the submitter's token ('' = any; else 'superseded' if another submitter took the job over)
-_END_SUBMIT = (
-    _PRELUDE
-    + """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return 'gone' end
-if ARGV[6] and ARGV[6] ~= '' and redis.call('HGET', KEYS[1], 'submitter') ~= ARGV[6] then return 'superseded' end
-local now = server_now()
-if ARGV[5] ~= '' then
-  if status ~= 'validating' then return status end
-  local beat = tonumber(redis.call('HGET', KEYS[1], 'submit_beat') or '0') or 0
-  if tonumber(now) - beat <= tonumber(ARGV[5]) then return status end
-end
-if ARGV[1] ~= '' then redis.call('HSET', KEYS[1], 'total', ARGV[1]) end
-if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'max_line', ARGV[2]) end
-if status ~= 'validating' then return status end
-if ARGV[4] ~= '' then
-  redis.call('HSET', KEYS[1], 'errors', ARGV[4])
-  finish(KEYS[1], KEYS[2], KEYS[3], 'failed', now, ARGV[3])
-  return 'failed'
-end
-redis.call('HSET', KEYS[1], 'status', 'in_progress', 'in_progress_at', now)
-if num(KEYS[1], 'completed') + num(KEYS[1], 'failed') >= num(KEYS[1], 'total') then
-  redis.call('HSET', KEYS[1], 'status', 'finalizing', 'finalizing_at', now)
-  return 'finalizing'
-end
-return 'in_progress'
-"""
-)
-
-# KEYS: job, results, running, pending   ARGV: stale seconds, the new submitter's token
-# A validating job whose submitter has not beaten for the stale seconds gets a new submitter (the token); the old
-# one's chunks and end are refused from now on. Returns {1, total, max_line}, or {0, status}.
-_TAKE_OVER = (
-    _PRELUDE
-    + """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return {0, 'gone'} end
-if status ~= 'validating' then return {0, status} end
-local now = server_now()
-local beat = tonumber(redis.call('HGET', KEYS[1], 'submit_beat') or '0') or 0
-if tonumber(now) - beat <= tonumber(ARGV[1]) then return {0, status} end
-redis.call('HSET', KEYS[1], 'submitter', ARGV[2], 'submit_beat', now)
-return {1, num(KEYS[1], 'total'), num(KEYS[1], 'max_line')}
-"""
-)
-
-# KEYS: job, results, running, pending   ARGV: ttl
-_FINALIZE = (
-    _PRELUDE
-    + """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return 'gone' end
-if status ~= 'finalizing' then return status end
-local ended = 'completed'
-if num(KEYS[1], 'expired_lines') > 0 then ended = 'expired' end
-finish(KEYS[1], KEYS[2], KEYS[3], ended, server_now(), ARGV[1])
-return ended
-"""
-)
-
-# KEYS: job, results, running, pending   ARGV: ttl, then line, its batch_expired record, line, record, ...
-# The lines given that have no record and no live lease are recorded batch_expired, if the job's completion window
-# has ended and lines may still start. Returns {lines recorded, status}.
-_EXPIRE = (
-    _PRELUDE
-    + """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return {0, 'gone'} end
-if status ~= 'validating' and status ~= 'in_progress' then return {0, status} end
-local now = server_now()
-if not window_passed(KEYS[1], now) then return {0, status} end
-local n = 0
-for i = 2, #ARGV - 1, 2 do
-  local line = ARGV[i]
-  if redis.call('HEXISTS', KEYS[2], line) == 1 then
-    redis.call('HDEL', KEYS[4], line)
-  else
-    local lease = tonumber(redis.call('HGET', KEYS[3], line) or '')
-    if lease == nil or lease < tonumber(now) then  -- not running (or its worker died): it will not start now
-      redis.call('HDEL', KEYS[3], line)
-      n = n + expire_line(KEYS[1], KEYS[2], KEYS[4], line, ARGV[i + 1], now)
-    end
-  end
-end
-return {n, settle(KEYS[1], KEYS[2], KEYS[3], status, ARGV[1])}
-"""
-)
-
-# KEYS: lock   ARGV: token. Deletes the lock only if it is still ours.
-_UNLOCK = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
-# KEYS: job, results, running, pending   ARGV: ttl
-# A job hash with no status is no job (a write on a flushed or replaced Redis, by older code): its keys expire.
-_EXPIRE_MALFORMED = """
-if redis.call('HGET', KEYS[1], 'status') then return 0 end
-for _, key in ipairs(KEYS) do
-  if redis.call('TTL', key) == -1 then redis.call('EXPIRE', key, ARGV[1]) end
-end
-return 1
-"""
 
 _FLOAT_FIELDS = (
     "created_at",
@@ -469,19 +171,19 @@ class JobStore:
         self.r = redis_client
         self.prefix = prefix
         self.ttl = int(ttl)
-        self._create = self.r.register_script(_CREATE)
-        self._chunk = self.r.register_script(_CHUNK)
-        self._ledger = self.r.register_script(_LEDGER)
-        self._claim = self.r.register_script(_CLAIM)
-        self._write = self.r.register_script(_WRITE)
-        self._release = self.r.register_script(_RELEASE)
-        self._cancel = self.r.register_script(_CANCEL)
-        self._end_submit = self.r.register_script(_END_SUBMIT)
-        self._finalize = self.r.register_script(_FINALIZE)
-        self._expire = self.r.register_script(_EXPIRE)
-        self._unlock = self.r.register_script(_UNLOCK)
-        self._take_over = self.r.register_script(_TAKE_OVER)
-        self._expire_malformed = self.r.register_script(_EXPIRE_MALFORMED)
+        self._create = self.r.register_script(lua.load("create", prelude=True))
+        self._chunk = self.r.register_script(lua.load("chunk", prelude=True))
+        self._ledger = self.r.register_script(lua.load("ledger", prelude=True))
+        self._claim = self.r.register_script(lua.load("claim", prelude=True))
+        self._write = self.r.register_script(lua.load("write", prelude=True))
+        self._release = self.r.register_script(lua.load("release", prelude=True))
+        self._cancel = self.r.register_script(lua.load("cancel", prelude=True))
+        self._end_submit = self.r.register_script(lua.load("end_submit", prelude=True))
+        self._finalize = self.r.register_script(lua.load("finalize", prelude=True))
+        self._expire = self.r.register_script(lua.load("expire", prelude=True))
+        self._unlock = self.r.register_script(lua.load("unlock"))
+        self._take_over = self.r.register_script(lua.load("take_over", prelude=True))
+        self._expire_malformed = self.r.register_script(lua.load("expire_malformed"))
 
     # -- keys -------------------------------------------------------------------------------------
     def key(self, job_id: str) -> str:
