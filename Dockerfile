@@ -24,8 +24,8 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 
 RUN useradd --uid "${UID}" --non-unique --create-home --shell /usr/sbin/nologin batchery \
- && mkdir -p /models /files \
- && chown batchery:batchery /models /files
+ && mkdir -p /models /files /store \
+ && chown batchery:batchery /models /files /store
 
 # Dependencies first, in their own layer, so a code change does not reinstall transformers & co:
 # install the project with empty packages, keep its dependencies, drop the project itself.

@@ -195,6 +195,7 @@ def _batch_submit_args(p: argparse.ArgumentParser) -> None:
 
 def _batch_submit_run(args: argparse.Namespace) -> int:
     from batchery.contract.errors import InvalidRequest
+    from batchery.jobs.storage import StorageError
 
     try:
         metadata = _metadata(args.metadata)
@@ -203,7 +204,7 @@ def _batch_submit_run(args: argparse.Namespace) -> int:
             job = c.batch_status(job_id)
             if args.wait:
                 job = c.wait_batch(job_id, progress=not args.json)
-    except (InvalidRequest, argparse.ArgumentTypeError) as exc:
+    except (InvalidRequest, StorageError, argparse.ArgumentTypeError) as exc:
         print(f"batchery batch submit: {exc}", file=sys.stderr)
         return 2
     except _job_errors() as exc:

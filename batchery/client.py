@@ -370,10 +370,16 @@ class Client:
         priority: int | None = None,
         metadata: dict[str, str] | None = None,
     ) -> str:
-        """Submit a batch job and return its id once every line is enqueued. ``source`` is a JSONL
+        """Submit a batch job and return its id once its lines are enqueued. ``source`` is a JSONL
         path (OpenAI Batch input lines) or an iterable of line dicts (or JSON strings). It is
         streamed; bad lines become error records and the rest goes on. ``timeout`` is each
-        request's deadline in seconds; ``priority`` 0 (first, the default) to 9 (last)."""
+        request's deadline in seconds; ``priority`` 0 (first, the default) to 9 (last).
+
+        A job keeps at most a window of lines queued or running (``BATCHERY_BATCH__WINDOW_MIN`` / ``__MAX``). A
+        path with more lines is copied into the store (``BATCHERY_STORAGE_URL``) first, and this returns once
+        the first window is queued: the workers feed the rest (``batchery.jobs.feeder``). An iterable with more
+        lines is fed from here, window by window, so this returns when its last window is queued.
+        ``StorageError`` (nothing created) when the store cannot take the copy."""
         from batchery.jobs.submit import make_submitter
 
         self._check_credentials()

@@ -218,6 +218,7 @@ def run_job(
     from batchery.contract.installs import worker_install_hint
     from batchery.contract.settings import Settings, mask_url
     from batchery.embedded import EmbeddedStack, StackError
+    from batchery.jobs.storage import StorageError
     from batchery.jobs.store import JobNotFound
 
     t0 = time.monotonic()
@@ -260,7 +261,7 @@ def run_job(
             check = watch_stack(stack, worker_exits) if stack is not None else None
             job = client.wait_batch(job_id, progress=progress, on_update=check)
             num_ok, num_err = write_results(client.batch_results(job_id), out, errors)
-        except (InvalidRequest, ValidationError) as exc:
+        except (InvalidRequest, StorageError, ValidationError) as exc:
             print(f"batchery run: {exc}", file=sys.stderr)
             return EXIT_USAGE
         except WorkerGaveUp as exc:

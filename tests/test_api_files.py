@@ -21,8 +21,8 @@ from fastapi.testclient import TestClient
 from batchery.api.app import create_app
 from batchery.api.errors import APIError
 from batchery.api.files import Files, files_of
-from batchery.api.storage import LocalStorage, ObjectTooLarge
 from batchery.contract.settings import ApiOptions, BatchOptions, Settings
+from batchery.jobs.storage import LocalStorage, ObjectTooLarge
 from tests.conftest import redis_client
 
 KEY_A = "sk-files-test-a-" + "1" * 16

@@ -354,7 +354,13 @@ def test_pass_through_settings_keep_the_worker_defaults(raw):
     env = raw["x-batchery-env"]
     fixed = {k for k, v in env.items() if v is not None}
     # only what compose must decide is set here; everything else comes from .env or the defaults
-    assert fixed == {"BATCHERY_BROKER_URL", "BATCHERY_MODEL_CACHE", "BATCHERY_SHUTDOWN_GRACE", "BATCHERY_SEND_EVENTS"}
+    assert fixed == {
+        "BATCHERY_BROKER_URL",
+        "BATCHERY_MODEL_CACHE",
+        "BATCHERY_SHUTDOWN_GRACE",
+        "BATCHERY_SEND_EVENTS",
+        "BATCHERY_STORAGE_URL",  # the store volume, which workers, api and cli share
+    }
     for k in fixed - {"BATCHERY_MODEL_CACHE"}:
         assert env[k].startswith(f"${{{k}:-"), f"{k} must be overridable from .env: {env[k]!r}"
 

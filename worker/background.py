@@ -1,8 +1,8 @@
 """The worker's background chores, each a daemon thread started once the worker consumes and stopped when it
 stops: its presence announcement (``batchery.broker.presence``), lost-line recovery
-(``batchery.jobs.recover.recover_queue``) and prefix affinity's registry and clean-up
-(``batchery.broker.affinity``). None ever stops the worker: a failure is logged once when it starts and once when
-it ends (a Redis outage is quiet beyond that), and the chore goes on."""
+(``batchery.jobs.recover.recover_queue``), big jobs' feeders (``batchery.jobs.feeder``) and prefix affinity's
+registry and clean-up (``batchery.broker.affinity``). None ever stops the worker: a failure is logged once when it
+starts and once when it ends (a Redis outage is quiet beyond that), and the chore goes on."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from batchery.broker.connection import is_redis_url, redis_from_url
 from batchery.contract.settings import Settings
 
 log = logging.getLogger("batchery.worker.background")
+
+FEEDERS_EVERY_S = 1.0  # how often a worker looks for big jobs that need a feeder
 
 
 class Periodic:
@@ -79,7 +81,13 @@ def presence_beacon(settings: Settings, hostname: str, direct_queue: str | None 
     """Announce ``hostname`` on the worker's queue every few seconds; withdraw it on stop."""
     r = redis_from_url(settings.broker_url)
     queue = str(settings.queue)  # derived by Settings
-    info = {"model": settings.model, "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time()}
+    info = {
+        "model": settings.model,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started_at": time.time(),
+        "concurrency": settings.num_task_threads(),  # what big jobs' windows are sized from
+    }
     if direct_queue:
         info["direct_queue"] = direct_queue
     return Periodic(
@@ -111,19 +119,34 @@ def lost_line_recovery(settings: Settings) -> Periodic:
     )
 
 
+def big_job_feeders(settings: Settings, app) -> Periodic:
+    """Every second: feed on the big jobs of the worker's queue whose submitter handed them off or died
+    (``batchery.jobs.feeder``)."""
+    from batchery.jobs.feeder import Feeders
+    from batchery.jobs.store import JobStore
+
+    broker = redis_from_url(settings.broker_url)
+    store = JobStore(redis_from_url(str(settings.result_backend)), settings.batch.key_prefix, settings.batch.ttl)
+    feeders = Feeders(store, broker, app, settings)
+    return Periodic("big-job feeders", FEEDERS_EVERY_S, feeders.tick, jitter=0.2)
+
+
 def prefix_affinity(affinity) -> Periodic:
     """Every few seconds: register the worker's direct queue, see who is live on the queue, and move the direct
     queues of workers gone back to the main queue (``batchery.broker.affinity``); on stop, this worker's own."""
     return Periodic("prefix affinity", presence.ANNOUNCE_EVERY_S, affinity.refresh, affinity.retire, jitter=0.2)
 
 
-def start_background(settings: Settings, hostname: str, affinity=None) -> list[Periodic]:
+def start_background(settings: Settings, hostname: str, affinity=None, app=None) -> list[Periodic]:
     """The chores of a worker that now consumes (none on a broker other than Redis); ``affinity``: its
-    ``batchery.broker.affinity.Affinity``, if it has one."""
+    ``batchery.broker.affinity.Affinity``, if it has one; ``app``: its Celery app (big jobs' feeders build messages
+    with it)."""
     if not is_redis_url(settings.broker_url):
         return []
     direct = affinity.direct if affinity is not None else None
     makers: list[Callable[[], Periodic]] = [lambda: presence_beacon(settings, hostname, direct)]
+    if app is not None:
+        makers.append(lambda: big_job_feeders(settings, app))
     if affinity is not None:
         makers.append(lambda: prefix_affinity(affinity))
     if settings.recovery_interval > 0:

@@ -157,7 +157,7 @@ def _run_worker(settings: Settings | None, *, resume_gc: bool) -> int:
     def on_ready(sender=None, **kwargs) -> None:
         if health is not None:
             health.consuming = True
-        chores.extend(start_background(settings, hostname, affinity))
+        chores.extend(start_background(settings, hostname, affinity, app))
         log.info(
             "batchery worker ready: model=%s dtype=%s kv_blocks=%d max_model_len=%d queue=%s threads=%d",
             settings.model,

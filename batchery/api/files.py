@@ -4,7 +4,7 @@ for input and output files (``files_of(state)``).
 
 **Uploads stream.** The multipart body is parsed as it arrives (``python_multipart``'s streaming parser over
 ``request.stream()``, fed in pieces of at most ``READ_CHUNK``), and the file part goes straight into a
-storage writer (``batchery.api.storage``): never whole in memory, no spooled temporary copy, and the size
+storage writer (``batchery.jobs.storage``): never whole in memory, no spooled temporary copy, and the size
 limit (``BATCHERY_API__MAX_FILE_BYTES``, 200 MB as at OpenAI) is enforced as the bytes come. For purpose
 ``batch`` every non-blank line must be a JSON object, checked while streaming: the first line that is not
 refuses the upload (400 naming the line). The body of each request line is the batch's to validate (its
@@ -40,9 +40,9 @@ from starlette.requests import ClientDisconnect
 
 from batchery.api.auth import Tenant, tenant
 from batchery.api.errors import APIError, invalid, list_page, not_found
-from batchery.api.storage import FileStorage, LocalStorage, ObjectTooLarge, ObjectWriter
 from batchery.broker.connection import redis_from_url
 from batchery.contract.batch import json_type, loads
+from batchery.jobs.storage import FileStorage, LocalStorage, ObjectTooLarge, ObjectWriter
 
 if TYPE_CHECKING:
     from batchery.api.app import ApiState

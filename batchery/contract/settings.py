@@ -98,6 +98,25 @@ class BatchOptions(BaseModel):
     key_prefix: str = Field(
         default="batchery:batch", min_length=1, max_length=64, description="Redis key prefix of the job state"
     )
+    window_min: int = Field(
+        default=2048, ge=16, le=1_000_000, description="floor of a job's window: lines queued or running at once"
+    )
+    window_max: int = Field(
+        default=8192, ge=16, le=1_000_000, description="ceiling of a job's window (it is sized from the live workers)"
+    )
+
+    feeder_lease_s: float = Field(
+        default=30.0, ge=1.0, le=3600.0, description="seconds without a heartbeat after which a job's feeder is dead"
+    )
+
+    @model_validator(mode="after")
+    def _window_order(self) -> BatchOptions:
+        if self.window_min > self.window_max:
+            raise ValueError(
+                f"BATCHERY_BATCH__WINDOW_MIN ({self.window_min}) is above BATCHERY_BATCH__WINDOW_MAX "
+                f"({self.window_max})"
+            )
+        return self
 
 
 class QuarantineOptions(BaseModel):
@@ -177,6 +196,11 @@ class Settings(BaseSettings):
     result_backend: str | None = Field(default=None, description="results and batch jobs; unset -> the broker URL")
     queue: str | None = Field(default=None, description="the queue; unset -> batchery.<model name>")
     result_expires: int = Field(default=86400, ge=1, description="seconds results stay in the backend")
+    storage_url: str = Field(
+        default="~/.cache/batchery/store",
+        description="the file store of big jobs' inputs: a directory (or file:// URL) that submitters and workers "
+        "share (a volume in compose)",
+    )
 
     # model and engine
     model: str = Field(default=DEFAULT_MODEL, description="model name, Hugging Face directory or .gguf file")

@@ -183,6 +183,7 @@ class JobStore:
         self._expire = self.r.register_script(lua.load("expire", prelude=True))
         self._unlock = self.r.register_script(lua.load("unlock"))
         self._take_over = self.r.register_script(lua.load("take_over", prelude=True))
+        self._hand_off = self.r.register_script(lua.load("hand_off"))
         self._expire_malformed = self.r.register_script(lua.load("expire_malformed"))
 
     # -- keys -------------------------------------------------------------------------------------
@@ -215,6 +216,7 @@ class JobStore:
         priority: int = 0,
         window_s: float | None = None,
         submitter: str | None = None,
+        input_key: str | None = None,
     ) -> None:
         """A new ``validating`` job. Its keys do not expire until it ends; ``created_at`` is server time.
         ``window_s``: its completion window, from ``created_at`` (server time): lines not started by then are
@@ -240,6 +242,7 @@ class JobStore:
             "priority": int(priority),
             "window_s": "" if window_s is None else repr(window_s),
             "submitter": submitter or "",
+            "input_key": input_key or "",  # the input's copy in the file store, for a feeder to take over from
         }
         args: list = [job_id, self.ttl, self.prefix]
         for k, v in fields.items():
@@ -266,6 +269,24 @@ class JobStore:
         if int(answer[0]) != 1:
             return None
         return int(answer[1]), int(answer[2])
+
+    @property
+    def handoff_key(self) -> str:
+        return f"{self.prefix}:handoff"
+
+    def hand_off(self, job_id: str, token: str) -> str:
+        """Free the lease of a ``validating`` job whose input is in the store, for a worker to feed it on
+        (``batchery.jobs.feeder``): ``"handed off"``, ``"superseded"`` (``token`` no longer holds it), ``"gone"``
+        or the status."""
+        return _s(self._hand_off(keys=[self.key(job_id), self.handoff_key], args=[token, job_id]))
+
+    def handed_off(self) -> list[str]:
+        """The jobs handed off (or being fed on by a worker) that have not been fed to the end yet."""
+        return sorted(_s(j) for j in self.r.smembers(self.handoff_key))
+
+    def unhand(self, job_id: str) -> None:
+        """Drop a job from the hand-off set (it was fed to the end, stopped or is gone)."""
+        self.r.srem(self.handoff_key, job_id)
 
     def ledger_in(self, pipe, job_id: str, messages: list[tuple[int, str]]) -> None:
         """Add to ``pipe`` the copies of a chunk's task messages, by line, for ``batchery.jobs.recover``
@@ -510,7 +531,8 @@ class JobStore:
         if job.status == "cancelling":
             return self.cancel(job_id) != "cancelling"
         beat = float(_s(raw.get(b"submit_beat", b"0")) or 0)
-        if job.status == "validating" and now - beat > SUBMIT_STALE_S:
+        # a job whose input is in the store is never failed for its submitter: a worker feeds it on
+        if job.status == "validating" and now - beat > SUBMIT_STALE_S and not raw.get(b"input_key"):
             status = self.end_submit(
                 job_id,
                 None,

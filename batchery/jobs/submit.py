@@ -39,6 +39,7 @@ A job that vanishes from Redis during the submission (deleted, or Redis flushed 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import uuid
@@ -63,7 +64,10 @@ from batchery.contract.batch import (
 from batchery.contract.errors import InvalidRequest
 from batchery.contract.names import BATCH_LINE_TASK, ENQUEUED_AT_HEADER
 from batchery.contract.schemas import check_timeout
+from batchery.jobs.storage import FileStorage, StorageError, open_storage
 from batchery.jobs.store import STOPPED_STATUSES, JobNotFound, JobStore, check_window, new_job_id
+
+log = logging.getLogger("batchery.submit")
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
@@ -76,6 +80,38 @@ GROUP_MIN_CHARS = 512  # a prompt less its last turn this long is a prefix group
 GROUP_PREFIX_CHARS = 1024  # else the prompt's first characters are
 FIRST_ERRORS = 10  # line errors a job that fails with no_valid_lines reports
 RESUME_AFTER_S = 30.0  # a validating job whose submitter has not beaten for this long may be taken over
+ROOM_POLL_S = 0.1  # how often a submitter whose window is full looks at the job's counts
+BEAT_S = 5.0  # how often a waiting submitter beats (well inside RESUME_AFTER_S)
+COPY_PIECE = 1 << 20  # bytes a copy of the input into the store reads at a time
+
+
+def window_size(settings, workers: list[dict] | None) -> int:
+    """Lines of a job queued or running at once: twice what the live workers on its queue hold in flight (their
+    task threads, as each announces), within ``BATCHERY_BATCH__WINDOW_MIN`` and ``__WINDOW_MAX``. No worker seen
+    yet: the floor."""
+    limits = settings.batch
+    in_flight = sum(int(w.get("concurrency") or 0) for w in workers or ())
+    return max(limits.window_min, min(limits.window_max, 2 * in_flight))
+
+
+def input_key(job_id: str) -> str:
+    """The store key of a job's input copy."""
+    return f"{job_id}.input.jsonl"
+
+
+def count_newlines(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(block.count(b"\n") for block in iter(lambda: f.read(COPY_PIECE), b""))
+
+
+def copy_to_storage(storage: FileStorage, key: str, path: Path) -> None:
+    """Copy ``path`` into the store under ``key`` (streamed; whole or not at all). ``StorageError`` names the
+    problem."""
+    try:
+        with open(path, "rb") as f:
+            storage.write_stream(key, iter(lambda: f.read(COPY_PIECE), b""))
+    except OSError as exc:
+        raise StorageError(f"cannot copy {path} into the store ({type(exc).__name__}: {exc})") from exc
 
 
 def check_options(timeout, priority, metadata) -> tuple[float | None, int, dict[str, str]]:
@@ -192,6 +228,9 @@ class Submitter:
         chunk_size: int = DEFAULT_CHUNK,
         group_lines: int = GROUP_LINES,
         group_bytes: int = GROUP_BYTES,
+        storage: FileStorage | None = None,
+        storage_url: str | None = None,
+        window: int | None = None,
     ) -> None:
         self.store = store
         self.broker = broker  # a redis-py client on the broker's Redis, or None for a non-Redis broker
@@ -200,6 +239,11 @@ class Submitter:
         self.chunk_size = chunk_size  # lines per LPUSH, and the first grouping window
         self.group_lines = group_lines
         self.group_bytes = group_bytes
+        # where a job that outgrows its window is copied, so that a worker feeds it on (None: this one feeds it all)
+        self.storage = storage
+        self.storage_url = storage_url  # opened when a job first needs it (a small job never touches the store)
+        self.window = window or settings.batch.window_min  # lines of the job queued or running at once
+        self.hand_off = False  # set by run() once the input is in the store
 
     def run(
         self,
@@ -218,16 +262,33 @@ class Submitter:
         path = Path(source) if isinstance(source, (str, os.PathLike)) else None
         if path is not None and not path.is_file():
             raise InvalidRequest(f"no such file: {path}")
-        self.create(
-            timeout=timeout,
-            priority=priority,
-            metadata=metadata,
-            job_id=job_id,
-            completion_window=completion_window,
-            endpoint=endpoint,
-            require_valid=require_valid,
-            input_file=str(path) if path else None,
-        )
+        job_id = job_id or new_job_id()
+        key = None
+        if path is not None and (self.storage or self.storage_url) and count_newlines(path) >= self.window:
+            # more lines than the window holds: the rest is fed from the store, by whoever holds the job's lease
+            # (this submitter hands it off once the window is full; a worker takes it over). Copied before the job
+            # exists, so a store that fails leaves nothing half-created.
+            if self.storage is None:
+                self.storage = open_storage(str(self.storage_url))
+            key = input_key(job_id)
+            copy_to_storage(self.storage, key, path)
+        try:
+            self.create(
+                timeout=timeout,
+                priority=priority,
+                metadata=metadata,
+                job_id=job_id,
+                completion_window=completion_window,
+                endpoint=endpoint,
+                require_valid=require_valid,
+                input_file=str(path) if path else None,
+                input_key=key,
+            )
+        except BaseException:
+            if key is not None and self.storage is not None:
+                self.storage.delete(key)
+            raise
+        self.hand_off = key is not None
         return self.submit(source)
 
     def create(
@@ -241,9 +302,11 @@ class Submitter:
         endpoint: str | None = None,
         require_valid: bool = False,
         input_file: str | None = None,
+        input_key: str | None = None,
     ) -> str:
         """Validate the job's options (``InvalidRequest`` naming the field, before anything is written) and
-        create it, ``validating``; ``submit`` then streams its input. Returns the job id."""
+        create it, ``validating``; ``submit`` then streams its input. Returns the job id. ``input_key``: the
+        input's copy in the store, from which a worker may take the feeding over."""
         timeout, priority, metadata = check_options(timeout, priority, metadata)
         window = check_window(completion_window)
         job_id = job_id or new_job_id()
@@ -258,6 +321,7 @@ class Submitter:
             priority=priority,
             window_s=window,
             submitter=token,
+            input_key=input_key,
         )
         self._setup(job_id, token, timeout, priority, endpoint, require_valid)
         return job_id
@@ -279,7 +343,14 @@ class Submitter:
         job = self.store.status(job_id, repair=False)
         self._setup(job_id, token, job.timeout, job.priority, endpoint, require_valid)
         self.total, self.max_line = done
-        self.skip_through = self.max_line
+        self.skip_through = self.flushed_max_line = self.max_line
+        if self.broker is not None:
+            # lines the old submitter recorded but did not push: queued again now, or they would hold the window
+            from batchery.jobs.recover import requeue_lost
+
+            n = requeue_lost(self.store, self.broker, job_id, job.queue)
+            if n:
+                log.warning("job %s: %d lines its old submitter recorded but never queued are queued now", job_id, n)
         self.submit(source)
         return True
 
@@ -295,6 +366,9 @@ class Submitter:
         )
         self.kwargs = {"timeout": timeout, "priority": priority}
         self.total = self.max_line = self.valid = self.skip_through = 0
+        self.flushed_max_line = 0  # the last line of the last window recorded in the job
+        self.beat_at = time.monotonic()
+        self.handed_off = False
         self.first_errors: list[LineError] = []
         self.superseded = False
 
@@ -363,6 +437,8 @@ class Submitter:
         for item in items:
             if item.line <= self.skip_through:  # recorded by the submitter this one took over from
                 self._classify(item)
+                if item.line % 1000 == 0 and self._beat_due() and self._beat() == "superseded":
+                    return True
                 continue
             if self.total + len(window) + len(errors) >= max_lines:
                 if self._flush(window, errors):
@@ -381,7 +457,10 @@ class Submitter:
                 errors.append(item)
             self.max_line = item.line
             n = len(window) + len(errors)
-            if n >= min(self.group_lines, max(self.chunk_size, read)) or size >= self.group_bytes:
+            # a quarter of the window at most: lines a dead worker still holds (until the visibility timeout) leave
+            # room for the next group
+            group = min(self.group_lines, max(1, self.window // 4), max(self.chunk_size, read))
+            if n >= group or size >= self.group_bytes:
                 if self._flush(window, errors):
                     return True
                 window, errors, size, read = [], [], 0, read + n
@@ -427,6 +506,12 @@ class Submitter:
         """Record the window in the job as one chunk (counts first, so progress never shows more done than
         total), then enqueue its messages in prefix order. True if the job has been stopped meanwhile."""
         n = len(window) + len(errors)
+        if window:
+            room = self._room(len(window))
+            if room == "stopped":
+                self.store.end_submit(self.job_id, self.total, self.flushed_max_line, token=self.token)
+            if room is not None:
+                return True
         window.sort(key=lambda entry: entry[0])  # stable: lines with the same prefix stay in input order
         messages = [(line, message) for _, line, message in window]
         window.clear()  # the keys go now; the messages are held until they are queued
@@ -439,6 +524,8 @@ class Submitter:
             self.store.queue_chunk(p, self.job_id, n, self.max_line, self.token)
             status = p.execute()[-1]
         self.total += n
+        self.flushed_max_line = self.max_line
+        self.beat_at = time.monotonic()  # the chunk beat too
         status = status.decode() if isinstance(status, bytes) else status
         if status is None:  # nothing of the chunk was written: the job is gone, so is the submission
             raise self._vanished()
@@ -458,6 +545,52 @@ class Submitter:
             else:
                 self._send_tasks(piece)
         return False
+
+    def _room(self, n: int) -> str | None:
+        """Wait until the job's window has room for ``n`` more lines: fewer than ``window`` lines queued or running
+        (counted but not recorded), or none at all. Beats meanwhile, so the lease holds. None: room; else why this
+        submitter stops feeding: ``"handed off"`` (the input is in the store: the lease is released for a worker to
+        take over), ``"stopped"`` (cancelled or failed) or ``"superseded"`` (another submitter took over)."""
+        key = self.store.key(self.job_id)
+        while True:
+            total, done, failed, status = self.store.r.hmget(key, ["total", "completed", "failed", "status"])
+            if status is None:
+                raise self._vanished()
+            outstanding = int(total or 0) - int(done or 0) - int(failed or 0)
+            if outstanding <= 0 or outstanding + n <= self.window:
+                return None
+            if status.decode() in STOPPED_STATUSES:
+                return "stopped"
+            if self.hand_off:
+                answer = self.store.hand_off(self.job_id, self.token)
+                if answer == "gone":
+                    raise self._vanished()
+                self.handed_off = answer == "handed off"
+                self.superseded = answer == "superseded"
+                log.info(
+                    "job %s: %s after %d lines (its window of %d is full)", self.job_id, answer, self.total, self.window
+                )
+                return answer
+            if self._beat_due() and self._beat() == "superseded":
+                return "superseded"
+            time.sleep(ROOM_POLL_S)
+
+    def _beat_due(self) -> bool:
+        return time.monotonic() - self.beat_at >= min(BEAT_S, self.settings.batch.feeder_lease_s / 3)
+
+    def _beat(self) -> str:
+        """A heartbeat that keeps this submitter's lease (no new lines); returns the job's status or
+        ``"superseded"``."""
+        self.beat_at = time.monotonic()
+        with self.store.r.pipeline(transaction=False) as p:
+            self.store.queue_chunk(p, self.job_id, 0, self.flushed_max_line, self.token)
+            answer = p.execute()[-1]
+        answer = answer.decode() if isinstance(answer, bytes) else answer
+        if answer is None:
+            raise self._vanished()
+        if answer == "superseded":
+            self.superseded = True
+        return answer
 
     def _send_tasks(self, messages: list) -> None:
         with self.app.producer_or_acquire() as producer, producer.batch(self.chunk_size):
@@ -490,5 +623,10 @@ class Submitter:
 
 
 def make_submitter(client) -> Submitter:
-    broker = redis_from_url(client.settings.broker_url) if is_redis_url(client.settings.broker_url) else None
-    return Submitter(client.jobs, broker, client.app, client.settings)
+    """The client's submitter: its window sized from the live workers, the configured store to hand big jobs off
+    through (``StorageError`` when it cannot be used, before anything is written)."""
+    settings = client.settings
+    broker = redis_from_url(settings.broker_url) if is_redis_url(settings.broker_url) else None
+    live = client.live_workers()
+    window = window_size(settings, (live or {}).get(str(client.queue)))
+    return Submitter(client.jobs, broker, client.app, settings, storage_url=settings.storage_url, window=window)

@@ -1,6 +1,10 @@
-"""Where the bytes of uploaded and result files live: a ``FileStorage``. The metadata (owner, name,
-purpose, size, the per-tenant listing) lives in Redis (``batchery.api.files``); a storage only keeps
-objects by key, so every API replica that sees the same Redis and the same storage serves the same files.
+"""Where the bytes of files live: a ``FileStorage``. Two users:
+
+- the HTTP API's uploaded and result files (``batchery.api.files``): their metadata (owner, name, purpose, size,
+  the per-tenant listing) lives in Redis; a storage only keeps objects by key, so every API replica that sees the
+  same Redis and the same storage serves the same files;
+- big batch jobs' inputs (``batchery.jobs.submit``): a job that outgrows its window is fed from a copy of its input
+  in the store (``BATCHERY_STORAGE_URL``, ``open_storage``), which any worker can take over feeding from.
 
 ``LocalStorage(root)`` keeps each object as one file under ``root`` (``BATCHERY_API__STORAGE_DIR``: a
 volume in compose, shared by the replicas). An object is written to a temporary name in the same
@@ -36,6 +40,10 @@ KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 WRITE_BUFFER = 1 << 20  # bytes a writer buffers before the OS sees them
 PARTIAL_SUFFIX = ".part"
 PARTIAL_MAX_AGE_S = 86400.0  # a temporary this old belongs to a process that died mid-write
+
+
+class StorageError(Exception):
+    """The configured store cannot be used (an unsupported URL, a directory that cannot be created or written)."""
 
 
 class ObjectTooLarge(Exception):
@@ -240,3 +248,28 @@ class LocalStorage:
             except OSError:
                 continue
         return removed
+
+
+def open_storage(url: str) -> LocalStorage:
+    """The store ``url`` names (``BATCHERY_STORAGE_URL``): a directory path or a ``file://`` URL, created if need be
+    and checked writable. ``StorageError`` names the problem (another scheme: an object store is one more class
+    here; a directory that cannot be created or written)."""
+    path = url
+    if "://" in url:
+        scheme, _, rest = url.partition("://")
+        if scheme != "file":
+            raise StorageError(
+                f"BATCHERY_STORAGE_URL {url!r}: scheme {scheme!r} is not supported (a directory path or file:// URL)"
+            )
+        path = rest
+    if not path:
+        raise StorageError("BATCHERY_STORAGE_URL is empty: set it to a directory that submitters and workers share")
+    try:
+        storage = LocalStorage(path)
+        probe = storage.writer(f"probe-{os.getpid()}")
+        probe.abort()
+    except OSError as exc:
+        raise StorageError(
+            f"BATCHERY_STORAGE_URL {url!r} is not a writable directory ({type(exc).__name__}: {exc})"
+        ) from exc
+    return storage
