@@ -86,7 +86,7 @@ def presence_beacon(settings: Settings, hostname: str, direct_queue: str | None 
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "started_at": time.time(),
-        "concurrency": settings.num_task_threads(),  # what big jobs' windows are sized from
+        "concurrency": settings.num_task_threads,  # what big jobs' windows are sized from
     }
     if direct_queue:
         info["direct_queue"] = direct_queue
