@@ -1,7 +1,8 @@
 """The ASGI application: ``create_app(settings)``. Routers live beside it (``files``, ``batches``,
 ``inference``, ``models``); each takes what it needs from ``request.app.state.batchery``
-(``ApiState``), and what it builds once (a client, a store) it keeps in ``ApiState.extras``: anything there
-with a ``close()`` is closed when the app shuts down.
+(``ApiState``, in ``batchery.api.state``, so no router imports this module back), and what it builds once (a
+client, a store) it keeps in ``ApiState.extras``: anything there with a ``close()`` is closed when the app shuts
+down.
 
 Every request body but a file upload is bounded by ``BATCHERY_API__MAX_BODY_BYTES`` (``BodyLimit``): a
 larger Content-Length is answered 413 before the body is read, and a body without one (chunked) is counted
@@ -14,7 +15,6 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -24,25 +24,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchery.api.auth import Keys, tenant
 from batchery.api.errors import APIError, too_large
+from batchery.api.state import ApiState, state
 from batchery.contract.settings import Settings
 
 log = logging.getLogger("batchery.api")
 
 
-@dataclass
-class ApiState:
-    """What the routes share: settings, keys and the lazily built Redis-backed services."""
-
-    settings: Settings
-    keys: Keys
-    extras: dict[str, Any] = field(default_factory=dict)  # per-router singletons (file store, job store, ...)
-
-
-def state(request: Request) -> ApiState:
-    return request.app.state.batchery
-
-
-__all__ = ["ApiState", "BodyLimit", "create_app", "state", "tenant"]  # tenant: batchery.api.auth's, re-exported
+# ApiState and state: batchery.api.state's, tenant: batchery.api.auth's, re-exported
+__all__ = ["ApiState", "BodyLimit", "create_app", "state", "tenant"]
 
 
 # (method, path) of the bodies BodyLimit leaves alone: uploads, bounded by BATCHERY_API__MAX_FILE_BYTES in files.py

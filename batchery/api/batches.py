@@ -44,7 +44,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -52,6 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from batchery.api.auth import Tenant, tenant
 from batchery.api.errors import APIError, invalid, list_page, not_found
 from batchery.api.files import files_of
+from batchery.api.state import ApiState
 from batchery.broker.connection import is_redis_url, redis_from_url
 from batchery.client import Client
 from batchery.contract.batch import ENDPOINTS, NOT_SERVED
@@ -59,9 +60,6 @@ from batchery.contract.errors import InvalidRequest
 from batchery.contract.schemas import BatchJob
 from batchery.jobs.store import JobNotFound, JobStore, new_job_id
 from batchery.jobs.submit import DEFAULT_CHUNK, RESUME_AFTER_S, Submitter, check_options
-
-if TYPE_CHECKING:  # app.py imports this module to mount its router
-    from batchery.api.app import ApiState
 
 log = logging.getLogger("batchery.api.batches")
 

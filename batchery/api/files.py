@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Literal
 from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -40,12 +40,10 @@ from starlette.requests import ClientDisconnect
 
 from batchery.api.auth import Tenant, tenant
 from batchery.api.errors import APIError, invalid, list_page, not_found
+from batchery.api.state import ApiState, state
 from batchery.broker.connection import redis_from_url
 from batchery.contract.batch import json_type, loads
 from batchery.jobs.storage import FileStorage, LocalStorage, ObjectTooLarge, ObjectWriter
-
-if TYPE_CHECKING:
-    from batchery.api.app import ApiState
 
 log = logging.getLogger("batchery.api.files")
 
@@ -534,12 +532,6 @@ async def _feed_body(chunks: AsyncIterator[bytes], upload: Upload) -> APIError |
 
 
 # -- routes -------------------------------------------------------------------------------------------
-# ``app.state`` is read here rather than through ``batchery.api.app.state``: app.py imports this module
-# to mount the router, so importing it back would be an import cycle.
-def state(request: Request) -> ApiState:
-    return request.app.state.batchery
-
-
 @router.post("/files")
 async def create_file(request: Request, who: Tenant = Depends(tenant)) -> dict[str, Any]:
     files = files_of(state(request))

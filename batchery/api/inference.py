@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
@@ -41,6 +41,7 @@ from starlette.background import BackgroundTask
 
 from batchery.api.auth import Tenant, tenant
 from batchery.api.errors import APIError, invalid
+from batchery.api.state import ApiState
 from batchery.broker import presence
 from batchery.broker.connection import is_redis_url
 from batchery.client import Client, Handle
@@ -58,9 +59,6 @@ from batchery.contract.errors import (
 from batchery.contract.responses import ResponsesRequest
 from batchery.contract.schemas import ChatCompletionRequest, CompletionRequest, describe_validation_error
 from batchery.contract.settings import Settings, mask_url, queue_for_model
-
-if TYPE_CHECKING:  # app.py imports this module to mount its router
-    from batchery.api.app import ApiState
 
 log = logging.getLogger("batchery.api.inference")
 

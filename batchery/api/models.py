@@ -7,16 +7,14 @@ model runs on that model's queue (``inference.Inference.route``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
 from batchery.api.auth import Tenant, tenant
 from batchery.api.errors import APIError
 from batchery.api.inference import inference_of
-
-if TYPE_CHECKING:  # app.py imports this module to mount its router
-    from batchery.api.app import ApiState
+from batchery.api.state import ApiState
 
 router = APIRouter()
 
