@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from batchery.broker import presence
 from batchery.broker.connection import is_redis_url, redis_from_url
@@ -77,8 +78,47 @@ class Periodic:
             self._failing = False
 
 
-def presence_beacon(settings: Settings, hostname: str, direct_queue: str | None = None) -> Periodic:
-    """Announce ``hostname`` on the worker's queue every few seconds; withdraw it on stop."""
+class EngineSnapshot:
+    """What a worker's announcement says of its engine, taken at each announcement (the web console's workers page
+    shows it): the engine's state, its batch size and steps/s since the previous announcement, KV blocks in use,
+    restarts and the last failure. ``service``: the worker's ``EngineService`` (anything with ``stats()``,
+    ``health()`` and ``counters``)."""
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+        self._last: tuple[float, int, int] | None = None  # (monotonic time, num_steps, num_step_seqs)
+
+    def __call__(self) -> dict[str, Any]:
+        st = self.service.stats()
+        engine = st.get("engine") or {}
+        now, steps, seqs = time.monotonic(), int(st["num_steps"]), int(st["num_step_seqs"])
+        prev, self._last = self._last, (now, steps, seqs)
+        dt = now - prev[0] if prev else 0.0
+        d_steps = steps - prev[1] if prev else 0
+        total, free = int(engine.get("kv_blocks_total") or 0), int(engine.get("kv_blocks_free") or 0)
+        return {
+            "state": st["state"],
+            "num_pending": st["num_pending"],
+            "num_running": int(engine.get("num_running") or 0),
+            "batch_size": (seqs - prev[2]) / d_steps if prev and d_steps > 0 else 0.0,
+            "steps_per_s": d_steps / dt if dt > 0 else 0.0,
+            "kv_blocks_total": total,
+            "kv_blocks_used": max(total - free, 0),
+            "num_rebuilds": st["num_rebuilds"],
+            "num_failures": st["num_failures"],
+            "last_error": self.service.health().get("fatal_reason") or self.service.counters.last_failure or None,
+            "announced_at": time.time(),
+        }
+
+
+def presence_beacon(
+    settings: Settings,
+    hostname: str,
+    direct_queue: str | None = None,
+    live: Callable[[], dict[str, Any]] | None = None,
+) -> Periodic:
+    """Announce ``hostname`` on the worker's queue every few seconds, with ``live()``'s fields of the moment
+    (``EngineSnapshot``); withdraw it on stop."""
     r = redis_from_url(settings.broker_url)
     queue = str(settings.queue)  # derived by Settings
     info = {
@@ -90,10 +130,19 @@ def presence_beacon(settings: Settings, hostname: str, direct_queue: str | None 
     }
     if direct_queue:
         info["direct_queue"] = direct_queue
+
+    def tick() -> None:
+        try:
+            now = live() if live is not None else {}
+        except Exception:  # noqa: BLE001 - the announcement matters more than its engine figures
+            log.debug("the engine snapshot failed", exc_info=True)
+            now = {}
+        presence.announce(r, queue, hostname, {**info, **now})
+
     return Periodic(
         "presence",
         presence.ANNOUNCE_EVERY_S,
-        lambda: presence.announce(r, queue, hostname, info),
+        tick,
         lambda: presence.withdraw(r, queue, hostname),
     )
 
@@ -137,14 +186,14 @@ def prefix_affinity(affinity) -> Periodic:
     return Periodic("prefix affinity", presence.ANNOUNCE_EVERY_S, affinity.refresh, affinity.retire, jitter=0.2)
 
 
-def start_background(settings: Settings, hostname: str, affinity=None, app=None) -> list[Periodic]:
+def start_background(settings: Settings, hostname: str, affinity=None, app=None, live=None) -> list[Periodic]:
     """The chores of a worker that now consumes (none on a broker other than Redis); ``affinity``: its
     ``batchery.broker.affinity.Affinity``, if it has one; ``app``: its Celery app (big jobs' feeders build messages
-    with it)."""
+    with it); ``live``: what its announcements add of the engine (``EngineSnapshot``)."""
     if not is_redis_url(settings.broker_url):
         return []
     direct = affinity.direct if affinity is not None else None
-    makers: list[Callable[[], Periodic]] = [lambda: presence_beacon(settings, hostname, direct)]
+    makers: list[Callable[[], Periodic]] = [lambda: presence_beacon(settings, hostname, direct, live)]
     if app is not None:
         makers.append(lambda: big_job_feeders(settings, app))
     if affinity is not None:

@@ -54,7 +54,7 @@ def _run_worker(settings: Settings | None, *, resume_gc: bool) -> int:
     from batchery.engine.config import EngineConfig
     from batchery.worker import kombu_patches
     from batchery.worker.app import make_app
-    from batchery.worker.background import start_background
+    from batchery.worker.background import EngineSnapshot, start_background
     from batchery.worker.health import HealthServer
     from batchery.worker.metrics import WorkerMetrics
     from batchery.worker.service import EngineService
@@ -157,7 +157,7 @@ def _run_worker(settings: Settings | None, *, resume_gc: bool) -> int:
     def on_ready(sender=None, **kwargs) -> None:
         if health is not None:
             health.consuming = True
-        chores.extend(start_background(settings, hostname, affinity, app))
+        chores.extend(start_background(settings, hostname, affinity, app, EngineSnapshot(service)))
         log.info(
             "batchery worker ready: model=%s dtype=%s kv_blocks=%d max_model_len=%d queue=%s threads=%d",
             settings.model,

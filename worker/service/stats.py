@@ -29,6 +29,7 @@ class ServiceStats:
     num_carried_over: int = 0  # requests moved to a rebuilt engine without failing
     num_solo_runs: int = 0  # quarantined runs started
     num_poisoned: int = 0  # requests failed for good with EngineCrash
+    last_failure: str = ""  # the last engine failure's reason ("" before any); presence shows it, /stats does not
     engine: dict[str, Any] = field(default_factory=dict)  # the current engine's own stats()
 
     def as_dict(self, state: EngineState, num_pending: int, steps: StepStats) -> dict[str, Any]:

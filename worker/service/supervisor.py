@@ -178,6 +178,7 @@ class Supervisor:
             s.step_rids = ()
             s.busy_rid = None
             s.stats.num_failures += 1
+            s.stats.last_failure = reason[:500]
             s.stats.num_struck += len(t.struck)
             s.stats.num_poisoned += len(t.poisoned)
             s.stats.num_carried_over += len(t.carried)
