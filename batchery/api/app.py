@@ -139,4 +139,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     for module in (files, batches, inference, models):
         app.include_router(module.router, prefix="/v1")
+    from batchery.api.console import routes as console  # the web console: /, /jobs/..., /workers (docs/console.md)
+
+    app.include_router(console.router)
     return app

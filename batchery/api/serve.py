@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 SERVE_INSTALL = "pip install 'batchery[serve]'"
-SERVE_PACKAGES = ("fastapi", "uvicorn", "python_multipart")
+SERVE_PACKAGES = ("fastapi", "uvicorn", "python_multipart", "jinja2")
 MAX_WORKER_RESTARTS = 3  # embedded worker restarts allowed within RESTART_WINDOW_S
 RESTART_WINDOW_S = 3600.0
 GRACEFUL_SHUTDOWN_S = 10.0  # open connections get this long after SIGTERM (a sync request may be waiting)
@@ -199,7 +199,9 @@ def serve(host: str | None = None, port: int | None = None) -> int:
 
             workdir = tempfile.mkdtemp(prefix="batchery-serve-")
             # the worker needs no API key: keep them out of its environment (and so of its logs)
-            env = {k: v for k, v in os.environ.items() if k != "BATCHERY_API__KEYS"}
+            env = {
+                k: v for k, v in os.environ.items() if k not in ("BATCHERY_API__KEYS", "BATCHERY_API__OPERATOR_KEYS")
+            }
             stack = EmbeddedStack(Path(workdir), env=env)
             _say(f"no BATCHERY_BROKER_URL: starting an embedded Redis and a worker for {settings.model}")
             url = stack.start()
@@ -270,6 +272,7 @@ def _run_server(settings: Any, host: str, port: int, num_keys: int, stack: Any) 
             "set BATCHERY_API__KEYS to require keys and listen on other addresses"
         )
     _say(f"OpenAI-compatible API at http://{shown}:{port}/v1 on queue {settings.queue}; {auth}")
+    _say(f"web console at http://{shown}:{port}/ (docs/console.md)")
     watch = None
     if stack is not None:
         watch = StackWatch(stack, server, settings.model)

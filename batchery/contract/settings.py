@@ -160,6 +160,10 @@ class ApiOptions(BaseModel):
         default=None,
         description="comma-separated API keys (Bearer); unset -> no auth, and the server listens on localhost only",
     )
+    operator_keys: SecretStr | None = Field(
+        default=None,
+        description="comma-separated keys of the web console's operators (every job, the workers page); not API keys",
+    )
     host: str = Field(default="127.0.0.1", description="address batchery serve listens on")
     port: int = Field(default=8000, ge=0, le=65535, description="port batchery serve listens on")
     storage_dir: str = Field(
@@ -180,6 +184,12 @@ class ApiOptions(BaseModel):
         if self.keys is None:
             return []
         return [k.strip() for k in self.keys.get_secret_value().split(",") if k.strip()]
+
+    def operator_key_list(self) -> list[str]:
+        """The web console's operator keys (empty: none). Never logged."""
+        if self.operator_keys is None:
+            return []
+        return [k.strip() for k in self.operator_keys.get_secret_value().split(",") if k.strip()]
 
 
 class Settings(BaseSettings):
