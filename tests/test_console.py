@@ -19,7 +19,7 @@ pytest.importorskip("jinja2")
 openai = pytest.importorskip("openai")
 
 from api_util import api_settings, drop_api_keys  # noqa: E402
-from conftest import drop_queue_keys, redis_client  # noqa: E402
+from conftest import drop_queue_keys, redis_client, wait_for  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
 from batchery.api.app import create_app  # noqa: E402
@@ -65,9 +65,11 @@ def http(app_settings):
         yield tc
 
 
-def make_batch(http: TestClient, key: str, metadata: dict | None = None, cids=("a", "b")) -> str:
+def make_batch(http: TestClient, key: str, metadata: dict | None = None, cids=("a", "b"), bad=()) -> str:
+    """A batch of chat lines ``cids`` and lines ``bad`` for another endpoint (error lines at submission)."""
     sdk = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=key, http_client=http, max_retries=0)
-    data = "".join(json.dumps(chat_line(c)) + "\n" for c in cids).encode()
+    lines = [chat_line(c) for c in cids] + [{**chat_line(c), "url": "/v1/completions"} for c in bad]
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
     f = sdk.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
     b = sdk.batches.create(
         input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h", metadata=metadata
@@ -136,8 +138,13 @@ def test_a_key_sees_only_its_own_jobs_and_the_operator_sees_all(http):
 
 
 def test_user_input_is_escaped_everywhere(http):
-    a = make_batch(http, KEY_A, {"note": XSS}, cids=(XSS, "ok"))
+    a = make_batch(http, KEY_A, {"note": XSS}, cids=(XSS, "ok"), bad=(XSS + "-bad",))
+    sdk = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=KEY_A, http_client=http, max_retries=0)
+    wait_for(lambda: sdk.batches.retrieve(a).request_counts.failed == 1, 30, what="the bad line's error record")
     login(http, KEY_A)
+    failures = re.search(r'<table class="failures" id="failures">(.*?)</table>', http.get(f"/jobs/{a}").text, re.S)
+    assert failures, "no failures table"
+    assert "line 3" in failures.group(1) and "&lt;script&gt;alert(1)&lt;/script&gt;-bad" in failures.group(1)
     for page in (http.get("/").text, http.get(f"/jobs/{a}").text, http.get(f"/jobs/{a}?fragment=1").text):
         assert XSS not in page
         assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
