@@ -359,7 +359,7 @@ class Client:
         """The ``JobStore`` on the result backend's Redis."""
         if self._jobs is None:
             b = self.settings.batch
-            self._jobs = JobStore(redis_from_url(self.settings.result_backend), b.key_prefix, b.ttl)
+            self._jobs = JobStore(redis_from_url(self.settings.result_backend), b.key_prefix, b.ttl, b.drain_at)
         return self._jobs
 
     def submit_batch(
@@ -487,8 +487,11 @@ class Client:
     def batch_results(self, job: str | BatchJob) -> Iterator[dict]:
         """The job's records in input order, streamed: output lines (``"error": None``) and error
         lines (``"error": {"code", "message", "line"}``). A cancelled or still running job gives
-        the records written so far."""
-        return self.jobs.iter_results(_job_id(job))
+        the records written so far. A big job's records come from the file store (``BATCHERY_STORAGE_URL``), where
+        the workers move them while it runs, merged with those still in Redis."""
+        from batchery.jobs.storage import open_storage
+
+        return self.jobs.iter_results(_job_id(job), storage=lambda: open_storage(self.settings.storage_url))
 
     def cancel_batch(self, job: str | BatchJob) -> BatchJob:
         """Cancel: lines not started are skipped, running ones aborted in the engine. Returns the

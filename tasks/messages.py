@@ -23,6 +23,8 @@ from batchery.contract.batch import ENDPOINTS, MAX_CUSTOM_ID_CHARS
 from batchery.jobs.deadletter import short
 from batchery.jobs.store import ACTIVE_STATUSES
 
+MAX_LINE = 10_000_000  # the most lines a job may have (BATCHERY_BATCH__MAX_LINES is at most this)
+
 MAX_JOB_ID_CHARS = 128
 
 
@@ -30,8 +32,8 @@ def check_kwargs(task_id, job, line, custom_id, url, body, timeout, priority) ->
     """What is wrong with a batch-line message on its own (None: nothing)."""
     if not isinstance(job, str) or not 0 < len(job) <= MAX_JOB_ID_CHARS:
         return f"job must be a string of 1-{MAX_JOB_ID_CHARS} characters, got {short(job, 80)}"
-    if isinstance(line, bool) or not isinstance(line, int) or line < 1:
-        return f"line must be an integer from 1, got {short(line, 40)}"
+    if isinstance(line, bool) or not isinstance(line, int) or not 1 <= line <= MAX_LINE:
+        return f"line must be an integer from 1 to {MAX_LINE}, got {short(line, 40)}"
     if not isinstance(custom_id, str) or not 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS:
         size = f"{len(custom_id)} characters" if isinstance(custom_id, str) else type(custom_id).__name__
         return f"custom_id must be a string of 1-{MAX_CUSTOM_ID_CHARS} characters, got {size}"
@@ -52,12 +54,14 @@ def check_in_job(store, job: str, line: int, ledger: bool) -> str | None:
     """What is wrong with line ``line`` of ``job`` while the job runs (None: nothing; or the job is gone
     or stopped, which the claim then reports). ``ledger``: the submitter keeps a pending ledger (a Redis
     broker)."""
-    job_key, results, _running, pending = store.keys(job)
+    job_key, results, _running, pending, done, _runs = store._k(job)
     with store.r.pipeline(transaction=True) as p:
         p.hmget(job_key, ["status", "max_line"])
         p.hexists(results, str(line))
+        p.getbit(done, int(line))  # a record drained to the file store keeps its bit
         p.hexists(pending, str(line))
-        (status, max_line), recorded, queued = p.execute()
+        (status, max_line), in_redis, bit, queued = p.execute()
+    recorded = in_redis or bit
     if isinstance(status, bytes):
         status = status.decode()
     if status not in ACTIVE_STATUSES:

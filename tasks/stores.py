@@ -31,7 +31,7 @@ def job_store(app: Any) -> tuple[JobStore, JobWatch]:
 
     def build() -> tuple[JobStore, JobWatch]:
         s = app.batchery_settings
-        jobs = JobStore(redis_from_url(s.result_backend), s.batch.key_prefix, s.batch.ttl)
+        jobs = JobStore(redis_from_url(s.result_backend), s.batch.key_prefix, s.batch.ttl, s.batch.drain_at)
         return jobs, JobWatch(jobs)
 
     return app_resource(app, "batchery_jobs", build)

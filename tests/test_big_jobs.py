@@ -23,6 +23,7 @@ from batchery.jobs.submit import input_key
 pytestmark = pytest.mark.integration
 
 WINDOW = 40  # lines of a job queued or running at once, in these tests
+DRAIN_AT = 30  # records a running job keeps in Redis before the workers move them to the store, in these tests
 
 
 def lines(n: int, prefix: str = "r") -> list[str]:
@@ -59,6 +60,7 @@ def spawn(workers, queue: str, store, **overrides):
         BATCHERY_BATCH__WINDOW_MIN=WINDOW,
         BATCHERY_BATCH__WINDOW_MAX=WINDOW,
         BATCHERY_BATCH__FEEDER_LEASE_S=3,
+        BATCHERY_BATCH__DRAIN_AT=DRAIN_AT,
         BATCHERY_MAX_NUM_SEQS=8,
         BATCHERY_CONCURRENCY=8,
         **overrides,
@@ -66,19 +68,23 @@ def spawn(workers, queue: str, store, **overrides):
 
 
 class Outstanding(threading.Thread):
-    """Samples, until stopped, the most lines of a job counted but not recorded (queued or running)."""
+    """Samples, until stopped, the most lines of a job counted but not recorded (queued or running), and the most
+    records it held in Redis."""
 
     def __init__(self, client, job: str) -> None:
         super().__init__(daemon=True)
         self.r = client.jobs.r
         self.key = client.jobs.key(job)
+        self.results = client.jobs.keys(job)[1]
         self.peak = 0
+        self.peak_records = 0
         self.halt = threading.Event()
 
     def run(self) -> None:
         while not self.halt.is_set():
             total, done, failed = self.r.hmget(self.key, ["total", "completed", "failed"])
             self.peak = max(self.peak, int(total or 0) - int(done or 0) - int(failed or 0))
+            self.peak_records = max(self.peak_records, self.r.hlen(self.results))
             time.sleep(0.01)
 
 
@@ -92,7 +98,7 @@ def check_exactly_once(c, job: str, n: int, prefix: str = "r") -> None:
 def test_a_job_bigger_than_its_window_is_fed_by_a_worker_a_window_at_a_time(workers, tmp_path):
     store = tmp_path / "store"
     q = workers.new_queue()
-    w = spawn(workers, q, store)
+    w = spawn(workers, q, store, BATCHERY_FAULTS="tokenize_delay:0.02")  # at most 50 lines/s: the job runs ~8 s
     c = client_for(workers, q, store)
     path = write_file(tmp_path / "in.jsonl", lines(400))
     job = c.submit_batch(path)
@@ -108,6 +114,11 @@ def test_a_job_bigger_than_its_window_is_fed_by_a_worker_a_window_at_a_time(work
         watch.join()
     assert st.status == "completed" and st.request_counts.total == 400 and st.request_counts.completed == 400
     assert watch.peak <= WINDOW, f"{watch.peak} lines queued or running at once, above the window of {WINDOW}"
+    runs = c.jobs.r.lrange(c.jobs._k(job)[5], 0, -1)
+    assert runs, "the workers moved records to the store while the job ran"
+    assert c.jobs.r.hlen(c.jobs.keys(job)[1]) < 400 - DRAIN_AT, "most records left Redis"
+    # the drainers run each second: what Redis holds is bounded by drain_at and a second or two of records
+    assert watch.peak_records <= DRAIN_AT + 120, f"Redis held {watch.peak_records} of the job's 400 records at once"
     check_exactly_once(c, job, 400)
     wait_for(lambda: not (store / input_key(job)).exists(), 10, what="the input's copy deleted once fed")
     assert job not in c.jobs.handed_off()

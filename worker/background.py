@@ -157,7 +157,12 @@ def lost_line_recovery(settings: Settings) -> Periodic:
     interval = settings.recovery_interval
     queue = str(settings.queue)  # derived by Settings, as the result backend is
     broker = redis_from_url(settings.broker_url)
-    store = JobStore(redis_from_url(str(settings.result_backend)), settings.batch.key_prefix, settings.batch.ttl)
+    store = JobStore(
+        redis_from_url(str(settings.result_backend)),
+        settings.batch.key_prefix,
+        settings.batch.ttl,
+        settings.batch.drain_at,
+    )
     lock = RecoveryLock(broker, queue, ttl_s=max(3 * interval, 30.0))
     return Periodic(
         "lost-line recovery",
@@ -175,9 +180,26 @@ def big_job_feeders(settings: Settings, app) -> Periodic:
     from batchery.jobs.store import JobStore
 
     broker = redis_from_url(settings.broker_url)
-    store = JobStore(redis_from_url(str(settings.result_backend)), settings.batch.key_prefix, settings.batch.ttl)
+    store = JobStore(
+        redis_from_url(str(settings.result_backend)),
+        settings.batch.key_prefix,
+        settings.batch.ttl,
+        settings.batch.drain_at,
+    )
     feeders = Feeders(store, broker, app, settings)
     return Periodic("big-job feeders", FEEDERS_EVERY_S, feeders.tick, jitter=0.2)
+
+
+def record_drainers(settings: Settings) -> Periodic:
+    """Every second: move the records of the running jobs of the worker's queue that hold
+    ``BATCHERY_BATCH__DRAIN_AT`` records in Redis to the file store (``batchery.jobs.records``)."""
+    from batchery.jobs.records import Drainers
+    from batchery.jobs.store import JobStore
+
+    b = settings.batch
+    store = JobStore(redis_from_url(str(settings.result_backend)), b.key_prefix, b.ttl, b.drain_at)
+    drainers = Drainers(store, settings)
+    return Periodic("record drainers", FEEDERS_EVERY_S, drainers.tick, jitter=0.2)
 
 
 def prefix_affinity(affinity) -> Periodic:
@@ -196,6 +218,8 @@ def start_background(settings: Settings, hostname: str, affinity=None, app=None,
     makers: list[Callable[[], Periodic]] = [lambda: presence_beacon(settings, hostname, direct, live)]
     if app is not None:
         makers.append(lambda: big_job_feeders(settings, app))
+    if settings.batch.drain_at > 0:
+        makers.append(lambda: record_drainers(settings))
     if affinity is not None:
         makers.append(lambda: prefix_affinity(affinity))
     if settings.recovery_interval > 0:

@@ -495,7 +495,7 @@ class Batches:
         lock is refreshed with each piece."""
         buf: list[bytes] = []
         size = 0
-        for rec in self.store.iter_results(batch_id):
+        for rec in self.client.batch_results(batch_id):  # merged with the records the workers moved to the store
             if (rec.get("error") is not None) != errors:
                 continue
             line = json.dumps(rec, separators=(",", ":"), ensure_ascii=False).encode("utf-8") + b"\n"

@@ -93,7 +93,7 @@ class BatchOptions(BaseModel):
     (line size, lines per job) and by both sides for the job keys in the result backend."""
 
     max_line_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20, description="bytes per input line")
-    max_lines: int = Field(default=100_000, ge=1, le=10_000_000, description="request lines per job")
+    max_lines: int = Field(default=10_000_000, ge=1, le=10_000_000, description="request lines per job")
     ttl: int = Field(default=7 * 86400, ge=60, description="seconds a job and its results are kept once it ends")
     key_prefix: str = Field(
         default="batchery:batch", min_length=1, max_length=64, description="Redis key prefix of the job state"
@@ -107,6 +107,12 @@ class BatchOptions(BaseModel):
 
     feeder_lease_s: float = Field(
         default=30.0, ge=1.0, le=3600.0, description="seconds without a heartbeat after which a job's feeder is dead"
+    )
+    drain_at: int = Field(
+        default=4096,
+        ge=0,
+        le=1_000_000,
+        description="records a running job keeps in Redis before workers move them to the store (0: never)",
     )
 
     @model_validator(mode="after")

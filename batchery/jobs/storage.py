@@ -235,6 +235,10 @@ class LocalStorage:
     def local_path(self, key: str) -> Path | None:
         return self._path(key)
 
+    def list_keys(self, glob: str = "*") -> list[str]:
+        """The keys of the objects whose names match ``glob`` (temporaries excluded)."""
+        return sorted(p.name for p in self.root.glob(glob) if not p.name.startswith(".") and p.is_file())
+
     def sweep_partials(self, older_than_s: float = PARTIAL_MAX_AGE_S) -> int:
         """Remove temporaries left by processes that died mid-write; returns how many. Young ones may
         belong to a replica still writing them, so they stay."""

@@ -87,6 +87,7 @@ MAX_INDEX_SCAN = 50_000  # newest jobs of the index that lost-line recovery look
 EXPIRE_PIECE = 500  # pending lines recorded batch_expired per script call (each call is short: Redis stays responsive)
 EXPIRE_LOCK_S = 60.0  # one expire() at a time per job (API replicas polling the same job); a dead holder's lapses
 MAX_WINDOW_S = 30 * 86400.0  # the longest completion window a job may have
+DRAIN_AT = 4096  # records a running job keeps in Redis before the drainers move them to the file store
 EXPIRED_MESSAGE = "the batch's completion window ended before this line started"
 
 _FLOAT_FIELDS = (
@@ -167,10 +168,13 @@ class JobStore:
     Every timestamp is the Redis server's clock (``TIME``), never the caller's: heartbeats, lease deadlines and
     the repairs' "how long ago" are compared across machines, whose clocks may disagree by minutes."""
 
-    def __init__(self, redis_client, prefix: str = "batchery:batch", ttl: int = 7 * 86400) -> None:
+    def __init__(
+        self, redis_client, prefix: str = "batchery:batch", ttl: int = 7 * 86400, drain_at: int = DRAIN_AT
+    ) -> None:
         self.r = redis_client
         self.prefix = prefix
         self.ttl = int(ttl)
+        self.drain_at = int(drain_at)  # records a running job keeps in Redis before drainers move them to the store
         self._create = self.r.register_script(lua.load("create", prelude=True))
         self._chunk = self.r.register_script(lua.load("chunk", prelude=True))
         self._ledger = self.r.register_script(lua.load("ledger", prelude=True))
@@ -185,6 +189,7 @@ class JobStore:
         self._take_over = self.r.register_script(lua.load("take_over", prelude=True))
         self._hand_off = self.r.register_script(lua.load("hand_off"))
         self._expire_malformed = self.r.register_script(lua.load("expire_malformed"))
+        self._drain_commit = self.r.register_script(lua.load("drain_commit", prelude=True))
 
     # -- keys -------------------------------------------------------------------------------------
     def key(self, job_id: str) -> str:
@@ -193,6 +198,16 @@ class JobStore:
     def keys(self, job_id: str) -> list[str]:
         k = self.key(job_id)
         return [k, f"{k}:results", f"{k}:running", f"{k}:pending"]
+
+    def _k(self, job_id: str) -> list[str]:
+        """The six keys every script of the prelude is given: ``keys`` and the done bitmap and the runs list."""
+        k = self.key(job_id)
+        return [k, f"{k}:results", f"{k}:running", f"{k}:pending", f"{k}:done", f"{k}:runs"]
+
+    @property
+    def drain_set_key(self) -> str:
+        """The jobs that hold at least ``drain_at`` records in Redis (``batchery.jobs.drain``)."""
+        return f"{self.prefix}:drain"
 
     @property
     def index_key(self) -> str:
@@ -259,13 +274,13 @@ class JobStore:
         seen, a heartbeat (server time); its reply is the status (None: the job is gone, and nothing was
         written; ``"superseded"``: ``token`` is no longer the job's submitter), so the submitter notices a cancel,
         a lost job or a take-over."""
-        self._chunk(keys=self.keys(job_id), args=[int(num_requests), int(max_line), token or ""], client=pipe)
+        self._chunk(keys=self._k(job_id), args=[int(num_requests), int(max_line), token or ""], client=pipe)
 
     def take_over(self, job_id: str, stale_s: float, token: str) -> tuple[int, int] | None:
         """Become the submitter of a ``validating`` job whose submitter has not beaten for ``stale_s`` seconds
         (server time): ``(total, max_line)`` so far, from which the new one goes on (the old one's next chunk
         or end is refused); None when the job is not validating or its submitter is alive."""
-        answer = self._take_over(keys=self.keys(job_id), args=[repr(float(stale_s)), token])
+        answer = self._take_over(keys=self._k(job_id), args=[repr(float(stale_s)), token])
         if int(answer[0]) != 1:
             return None
         return int(answer[1]), int(answer[2])
@@ -295,7 +310,7 @@ class JobStore:
             args: list = []
             for line, msg in messages:
                 args += [_line_key(line), msg]
-            self._ledger(keys=self.keys(job_id), args=args, client=pipe)
+            self._ledger(keys=self._k(job_id), args=args, client=pipe)
 
     def pending_lines(self, job_id: str) -> set[int]:
         """Lines whose task message was queued and that have no record yet."""
@@ -327,8 +342,8 @@ class JobStore:
     ) -> None:
         """``write`` inside a pipeline (the submitter's error records)."""
         self._write(
-            keys=self.keys(job_id),
-            args=self._write_args(line, record, failed, prompt_tokens, completion_tokens, cached_tokens),
+            keys=self._k(job_id) + [self.drain_set_key],
+            args=self._write_args(job_id, line, record, failed, prompt_tokens, completion_tokens, cached_tokens),
             client=pipe,
         )
 
@@ -348,7 +363,7 @@ class JobStore:
         ``token``, only if it is still the job's submitter (else ``"superseded"``)."""
         status = _s(
             self._end_submit(
-                keys=self.keys(job_id),
+                keys=self._k(job_id),
                 args=[
                     "" if total is None else int(total),
                     "" if max_line is None else int(max_line),
@@ -370,7 +385,7 @@ class JobStore:
         line is not run, and this call recorded it ``batch_expired``, with ``custom_id``) or the job's status
         when lines must not run."""
         answer = self._claim(
-            keys=self.keys(job_id),
+            keys=self._k(job_id),
             args=[_line_key(line), repr(float(lease_s)), expired_record(job_id, line, custom_id), self.ttl],
         )
         if isinstance(answer, list):  # expired: the record may have been the job's last
@@ -393,8 +408,8 @@ class JobStore:
         the same script (``cached_tokens``: of its prompt tokens, those the prefix cache served). Finalizes the
         job when this was its last line."""
         new, status = self._write(
-            keys=self.keys(job_id),
-            args=self._write_args(line, record, failed, prompt_tokens, completion_tokens, cached_tokens),
+            keys=self._k(job_id) + [self.drain_set_key],
+            args=self._write_args(job_id, line, record, failed, prompt_tokens, completion_tokens, cached_tokens),
         )
         status = _s(status)
         if status == "finalizing":  # this was the last line (or a retry of it whose reply was lost)
@@ -403,9 +418,9 @@ class JobStore:
 
     def release(self, job_id: str, line: int) -> str:
         """Give up a line's lease without a record (cancelled, retried, requeued)."""
-        return _s(self._release(keys=self.keys(job_id), args=[_line_key(line), self.ttl]))
+        return _s(self._release(keys=self._k(job_id), args=[_line_key(line), self.ttl]))
 
-    def _write_args(self, line, record, failed, prompt_tokens, completion_tokens, cached_tokens=0) -> list:
+    def _write_args(self, job_id, line, record, failed, prompt_tokens, completion_tokens, cached_tokens=0) -> list:
         return [
             _line_key(line),
             json.dumps(record, separators=(",", ":")),
@@ -414,11 +429,13 @@ class JobStore:
             int(completion_tokens),
             self.ttl,
             int(cached_tokens),
+            int(self.drain_at),
+            job_id,
         ]
 
     # -- anyone -----------------------------------------------------------------------------------
     def finalize(self, job_id: str) -> str:
-        return _s(self._finalize(keys=self.keys(job_id), args=[self.ttl]))
+        return _s(self._finalize(keys=self._k(job_id), args=[self.ttl]))
 
     def expire(self, job_id: str, piece: int = EXPIRE_PIECE) -> str:
         """Enforce the job's completion window once it has ended (server time): every pending line that is not
@@ -441,7 +458,7 @@ class JobStore:
         if not self.r.set(lock, token, nx=True, px=int(EXPIRE_LOCK_S * 1000)):
             return st  # another process is at it
         try:
-            keys = self.keys(job_id)
+            keys = self._k(job_id)
             cursor = 0
             while True:
                 cursor, entries = self.r.hscan(keys[3], cursor, count=max(1, int(piece)))
@@ -470,7 +487,7 @@ class JobStore:
     def cancel(self, job_id: str) -> str:
         """Ask a job to stop: ``cancelling``, then ``cancelled`` once no line is running. A job that
         already ended keeps its status. Raises ``JobNotFound`` (``JobMalformed``)."""
-        status = _s(self._cancel(keys=self.keys(job_id), args=[self.ttl]))
+        status = _s(self._cancel(keys=self._k(job_id), args=[self.ttl]))
         if status == "gone":
             self._check_exists(job_id)
         return status
@@ -557,7 +574,7 @@ class JobStore:
         raise _gone(job_id)
 
     def _malformed(self, job_id: str) -> JobMalformed:
-        self._expire_malformed(keys=self.keys(job_id), args=[self.ttl])
+        self._expire_malformed(keys=self._k(job_id), args=[self.ttl])
         return JobMalformed(
             f"batch job {job_id!r} is malformed in Redis (no id or status: was Redis flushed or replaced while it "
             f"ran?); it is not a job any more, and its keys expire within {self.ttl} s"
@@ -605,15 +622,22 @@ class JobStore:
             self._check_exists(job_id)
         return int(v or 0)
 
-    def iter_results(self, job_id: str, chunk: int = 1000) -> Iterator[dict]:
-        """The job's records (outputs and errors), in input order, streamed ``chunk`` lines at a time."""
-        last = self.max_line(job_id)
-        results = self.keys(job_id)[1]
-        for start in range(1, last + 1, chunk):
-            lines = range(start, min(start + chunk, last + 1))
-            for raw in self.r.hmget(results, [str(n) for n in lines]):
-                if raw is not None:
-                    yield json.loads(raw)
+    def iter_results(self, job_id: str, chunk: int = 1000, storage=None) -> Iterator[dict]:
+        """The job's records (outputs and errors), in input order, streamed: those still in Redis ``chunk`` lines at
+        a time, merged with the runs drained to the file store (``storage``: a ``FileStorage`` or a function that
+        opens one, needed only once the job has runs; ``batchery.jobs.records``)."""
+        from batchery.jobs.records import iter_records
+
+        return iter_records(self, job_id, storage, chunk)
+
+    def recorded(self, job_id: str, line: int) -> bool:
+        """Whether the line has its record (in Redis or drained to the store)."""
+        k = self._k(job_id)
+        with self.r.pipeline(transaction=False) as p:
+            p.getbit(k[4], int(line))
+            p.hexists(k[1], _line_key(line))
+            bit, there = p.execute()
+        return bool(bit) or bool(there)
 
     def list(self, limit: int = 20) -> list[BatchJob]:
         """The newest ``limit`` jobs (expired and malformed ones are dropped from the index as they are met)."""
@@ -630,7 +654,7 @@ class JobStore:
                 continue
             gone.append(j)
             if raw:
-                self._expire_malformed(keys=self.keys(j), args=[self.ttl])
+                self._expire_malformed(keys=self._k(j), args=[self.ttl])
         if gone:
             self.r.zrem(self.index_key, *gone)
         return jobs
@@ -638,8 +662,9 @@ class JobStore:
     def delete(self, job_id: str) -> None:
         """Remove a job and its records now (tests, operators)."""
         with self.r.pipeline(transaction=True) as p:
-            p.delete(*self.keys(job_id))
+            p.delete(*self._k(job_id), f"{self.key(job_id)}:draining")
             p.zrem(self.index_key, job_id)
+            p.srem(self.drain_set_key, job_id)
             p.execute()
 
 

@@ -1,5 +1,5 @@
 -- cancel: ask a job to stop (JobStore.cancel). Uses the prelude.
--- KEYS: job, results, running, pending
+-- KEYS: job, results, running, pending, done, runs
 -- ARGV: ttl
 -- Returns: 'cancelling', 'cancelled' (no line holds a live lease), 'gone', or the status of a job that is not
 --   validating, in_progress or cancelling (unchanged).

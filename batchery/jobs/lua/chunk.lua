@@ -1,5 +1,5 @@
 -- chunk: the bookkeeping of one submitted chunk (JobStore.queue_chunk, in the submitter's pipeline). Uses the prelude.
--- KEYS: job, results, running, pending
+-- KEYS: job, results, running, pending, done, runs
 -- ARGV: number of new lines, max line, the submitter's token ('': any)
 -- Returns: the status; nil (no job) or 'superseded' (another submitter took the job over): nothing is written then.
 -- Promises: atomic: the running total, max_line and the submitter's heartbeat (submit_beat, server time) move

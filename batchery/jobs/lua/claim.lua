@@ -1,5 +1,5 @@
 -- claim: a worker's right to run a line (JobStore.claim). Uses the prelude.
--- KEYS: job, results, running, pending
+-- KEYS: job, results, running, pending, done, runs
 -- ARGV: line, lease seconds, the line's batch_expired record, ttl
 -- Returns: 'run' (the caller holds the line's lease until now + lease seconds, server time), 'done' (the line has a
 --   record), 'gone' (no job), the status (the job is not validating or in_progress: the line must not run), or
@@ -10,7 +10,7 @@
 --   lease and ledger entry. started_at is set by the first claim only.
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'gone' end
-if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 'done' end
+if recorded(ARGV[1]) then return 'done' end
 if status ~= 'validating' and status ~= 'in_progress' then return status end
 local now = server_now()
 if window_passed(KEYS[1], now) then

@@ -1,6 +1,6 @@
 -- end_submit: the submitter's last word (JobStore.end_submit), or the repair of a job whose submitter stopped
 -- beating. Uses the prelude.
--- KEYS: job, results, running, pending
+-- KEYS: job, results, running, pending, done, runs
 -- ARGV: total ('' keeps), max_line ('' keeps), ttl, errors JSON ('' = none),
 --   stale seconds ('' = now; else only if the submitter has not beaten for that long: the repair),
 --   the submitter's token ('' = any; else 'superseded' if another submitter took the job over)

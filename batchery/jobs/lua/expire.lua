@@ -1,6 +1,6 @@
 -- expire: one piece of the completion window's enforcement (JobStore.expire, which holds the job's {job}:expiring
 -- lock around the calls). Uses the prelude.
--- KEYS: job, results, running, pending
+-- KEYS: job, results, running, pending, done, runs
 -- ARGV: ttl, then line, its batch_expired record, line, record, ...
 -- Returns: {lines recorded, status}.
 -- Promises: atomic. Only once the job's completion window has ended and lines may still start (validating or
@@ -15,7 +15,7 @@ if not window_passed(KEYS[1], now) then return {0, status} end
 local n = 0
 for i = 2, #ARGV - 1, 2 do
   local line = ARGV[i]
-  if redis.call('HEXISTS', KEYS[2], line) == 1 then
+  if recorded(line) then
     redis.call('HDEL', KEYS[4], line)
   else
     local lease = tonumber(redis.call('HGET', KEYS[3], line) or '')

@@ -1,6 +1,6 @@
 -- expire_malformed: a job hash with no status is no job (a write on a flushed or replaced Redis, by older code): its
 -- keys expire (JobStore raises JobMalformed).
--- KEYS: job, results, running, pending
+-- KEYS: job, results, running, pending, done, runs
 -- ARGV: ttl
 -- Returns: 1 if the keys were given the TTL, 0 if the job has a status (nothing is written).
 -- Promises: atomic; never touches a real job; a key that already has a TTL keeps it.

@@ -1,5 +1,5 @@
 -- finalize: a finalizing job ends (JobStore.finalize; status() repairs a job whose finalizer died). Uses the prelude.
--- KEYS: job, results, running, pending
+-- KEYS: job, results, running, pending, done, runs
 -- ARGV: ttl
 -- Returns: 'completed', 'expired' (some line was recorded batch_expired), 'gone', or the status of a job that is not
 --   finalizing (unchanged).

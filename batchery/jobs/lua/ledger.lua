@@ -1,6 +1,6 @@
 -- ledger: copies of a chunk's task messages, by line, for lost-line recovery (JobStore.ledger_in;
 -- batchery.jobs.recover). Uses the prelude.
--- KEYS: job, results, running, pending
+-- KEYS: job, results, running, pending, done, runs
 -- ARGV: line, message, line, message, ...
 -- Returns: 1 (written), or 0 when the job is not validating (nothing is written).
 -- Promises: atomic; only while the job is validating, so never on a job that is gone or stopped. A chunk of any

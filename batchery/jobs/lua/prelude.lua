@@ -1,7 +1,9 @@
 -- prelude: the helper functions the job store's scripts share (batchery.jobs.store). The loader puts this file in
 -- front of each script that calls them (batchery.jobs.lua.load(name, prelude=True)); it only defines functions.
--- KEYS, ARGV: none of its own, but finish() also deletes KEYS[4] (the job's pending ledger) when the calling script
---   was given one.
+-- KEYS, ARGV: none of its own. The job store calls every script that uses the prelude with the job's six keys:
+--   job, results, running, pending, done (a bitmap: bit n set once line n has its record, kept after the record moves
+--   to the file store) and runs (the list of the job's record files in the store); finish() also deletes KEYS[4] and
+--   gives KEYS[5] and KEYS[6] the TTL when the calling script was given them.
 -- Every timestamp is the Redis server's clock (TIME), never a caller's.
 --   server_now()                    the server's time, 'seconds.microseconds'
 --   finish(job, results, running, status, now, ttl)
@@ -9,6 +11,8 @@
 --                                   its records get the TTL; the leases (and the ledger, KEYS[4]) are deleted
 --   live_leases(running, now)       drops the leases whose deadline has passed; returns how many are left
 --   inherit_ttl(key, job)           a key without a TTL gets the job's (a record written after the job ended)
+--   recorded(line)                  whether the line has its record (its bit in KEYS[5], or a record in KEYS[2])
+--   mark(line)                      sets the line's bit in KEYS[5] (its record is being written)
 --   num(job, field)                 a numeric field of the job hash, 0 when missing
 --   window_passed(job, now)         whether the job's completion window (window_ends_at) has ended
 --   settle(job, results, running, status, ttl)
@@ -28,6 +32,9 @@ local function finish(job, results, running, status, now, ttl)
   if redis.call('EXISTS', results) == 1 then redis.call('EXPIRE', results, ttl) end
   redis.call('DEL', running)
   if KEYS[4] then redis.call('DEL', KEYS[4]) end
+  for i = 5, 6 do
+    if KEYS[i] and redis.call('EXISTS', KEYS[i]) == 1 then redis.call('EXPIRE', KEYS[i], ttl) end
+  end
 end
 local function live_leases(running, now)
   local leases = redis.call('HGETALL', running)
@@ -40,6 +47,16 @@ local function inherit_ttl(key, job)
   if redis.call('TTL', key) < 0 then
     local ttl = redis.call('TTL', job)
     if ttl > 0 then redis.call('EXPIRE', key, ttl) end
+  end
+end
+local function recorded(line)
+  if KEYS[5] and redis.call('GETBIT', KEYS[5], line) == 1 then return true end
+  return redis.call('HEXISTS', KEYS[2], line) == 1
+end
+local function mark(line)
+  if KEYS[5] then
+    redis.call('SETBIT', KEYS[5], line, 1)
+    inherit_ttl(KEYS[5], KEYS[1])
   end
 end
 local function num(job, field)
@@ -68,7 +85,9 @@ local function settle(job, results, running, status, ttl)
 end
 -- a line its job's completion window ended before it started: its batch_expired record, counted as failed, once
 local function expire_line(job, results, pending, line, record, now)
-  if redis.call('HSETNX', results, line, record) == 0 then return 0 end
+  if recorded(line) then return 0 end
+  mark(line)
+  redis.call('HSET', results, line, record)
   redis.call('HDEL', pending, line)
   inherit_ttl(results, job)
   redis.call('HINCRBY', job, 'failed', 1)

@@ -1,5 +1,5 @@
 -- release: give up a line's lease without a record: cancelled, retried, requeued (JobStore.release). Uses the prelude.
--- KEYS: job, results, running, pending
+-- KEYS: job, results, running, pending, done, runs
 -- ARGV: line, ttl
 -- Returns: the status ('cancelled' when this ended a cancelling job), or 'gone'.
 -- Promises: atomic; a cancelling job left with no live lease ends cancelled here (and gets the TTL).

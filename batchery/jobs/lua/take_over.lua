@@ -1,6 +1,6 @@
 -- take_over: a new submitter for a validating job whose submitter has not beaten for the stale seconds
 -- (JobStore.take_over; batchery.jobs.submit's Submitter.resume). Uses the prelude.
--- KEYS: job, results, running, pending
+-- KEYS: job, results, running, pending, done, runs
 -- ARGV: stale seconds, the new submitter's token
 -- Returns: {1, total, max_line}, or {0, status} (the job is not validating, its submitter is alive, or 'gone').
 -- Promises: atomic: the token and a fresh heartbeat are set together; the old submitter's chunk and end_submit are
