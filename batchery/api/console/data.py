@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -228,7 +229,7 @@ class Console:
         scanned = 0
         truncated = False
         if job.request_counts.failed:
-            for rec in self.store.iter_results(job.id):
+            for rec in self.records(job.id):
                 scanned += 1
                 if scanned > MAX_FAILURE_SCAN:
                     truncated = True
@@ -249,6 +250,10 @@ class Console:
             if len(self._failures) > 256:
                 self._failures.pop(next(iter(self._failures)))
         return result
+
+    def records(self, job_id: str) -> Iterator[dict[str, Any]]:
+        """The job's records in input order, those the workers moved to the file store included (the client's)."""
+        return self.batches.client.batch_results(job_id)
 
     def series(self, job_id: str) -> dict[str, list[float]]:
         """The job's sampled points as columns: time, completed, failed, tokens/s (between points)."""

@@ -229,7 +229,7 @@ async def cancel_job(job_id: str, request: Request) -> Response:
 @router.get("/jobs/{job_id}/{kind}.jsonl")
 def download(job_id: str, kind: str, request: Request) -> Response:
     """The job's output (``kind`` ``output``) or error records as JSONL: an API batch's written file, else the job
-    store's records of that kind, in input order."""
+    store's records of that kind, in input order (``Console.records``)."""
     viewer = _who(request)
     if not isinstance(viewer, Viewer):
         return viewer
@@ -256,7 +256,7 @@ def download(job_id: str, kind: str, request: Request) -> Response:
     errors = kind == "errors"
 
     def records() -> Iterator[bytes]:
-        for rec in console.store.iter_results(job_id):
+        for rec in console.records(job_id):
             if (rec.get("error") is not None) == errors:
                 yield json.dumps(rec, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
 
