@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install run test test-fast lint redis
+.PHONY: install run test test-fast lint lint-cpp format-cpp redis
 
 install: $(VENV)/.installed
 
@@ -38,8 +38,18 @@ test-fast: install redis
 
 # ruff (lint and format), mypy (fully typed: engine, contract, engine service) and the import contract
 # (layers only import downward, no cycles: [tool.importlinter] in pyproject.toml).
-lint: install
+lint: install lint-cpp
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy -p batchery.contract -p batchery.engine -p batchery.worker.service
 	$(VENV)/bin/lint-imports
+
+# The CPU kernels' C++ (engine/csrc/) in .clang-format's style: format-cpp rewrites the files, lint-cpp (part of
+# lint, so CI runs it) only checks them. clang-format comes from PyPI, pinned in the lint extra.
+CPP_FILES = $(wildcard engine/csrc/*.cpp engine/csrc/*.h)
+
+format-cpp: install
+	$(VENV)/bin/clang-format -i $(CPP_FILES)
+
+lint-cpp: install
+	$(VENV)/bin/clang-format --dry-run --Werror $(CPP_FILES)

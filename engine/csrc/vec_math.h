@@ -1,0 +1,26 @@
+// Vector math the kernels share (AVX-512): the extension's one exp polynomial.
+#pragma once
+
+#include <immintrin.h>
+
+#ifdef __AVX512F__
+// exp(x) for x in [-104, 100] (Cephes' polynomial on [-ln2/2, ln2/2], scaled by 2^n); about 1 ulp. The one
+// polynomial of the extension: the decode and prefill attention (exp16) and the fused SiLU (its parts) call it.
+static inline __m512 exp_poly(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// exp(x) for x <= 0 (softmax terms): about 1 ulp, 0 below -87.
+static inline __m512 exp16(__m512 x) { return exp_poly(_mm512_max_ps(x, _mm512_set1_ps(-87.f))); }
+#endif
