@@ -72,3 +72,56 @@ def check_in_job(store, job: str, line: int, ledger: bool) -> str | None:
     if ledger and not recorded and not queued:
         return f"line {line} of {job} was never queued (it is not in the job's pending ledger)"
     return None
+
+
+MAX_CHUNK_LINES = 256  # the most lines a chunk message may carry (BATCHERY_BATCH__CHUNK_LINES is at most this)
+
+
+def check_chunk(task_id, job, lines, timeout, priority) -> str | None:
+    """What is wrong with a chunk message (``batchery.batch_lines``) on its own (None: nothing): each of its lines
+    as ``check_kwargs`` checks a line's message, no line twice, and its task id ``{job}-c{first line}``."""
+    if not isinstance(lines, list) or not 1 <= len(lines) <= MAX_CHUNK_LINES:
+        size = f"{len(lines)} lines" if isinstance(lines, list) else type(lines).__name__
+        return f"lines must be a list of 1-{MAX_CHUNK_LINES} lines, got {size}"
+    seen: set[int] = set()
+    for entry in lines:
+        if not isinstance(entry, dict) or set(entry) != {"line", "custom_id", "url", "body"}:
+            return "each of lines must be an object with line, custom_id, url and body"
+        line = entry["line"]
+        problem = check_kwargs(
+            f"{job}-{line}", job, line, entry["custom_id"], entry["url"], entry["body"], timeout, priority
+        )
+        if problem is not None:
+            return problem
+        if line in seen:
+            return f"line {line} is twice in the chunk"
+        seen.add(line)
+    first = lines[0]["line"]
+    if task_id != f"{job}-c{first}":
+        return f"the task id of a chunk of {job} from line {first} must be {job}-c{first}, got {short(task_id, 80)}"
+    return None
+
+
+def check_chunk_in_job(store, job: str, lines: list[int], ledger: bool) -> str | None:
+    """``check_in_job`` for every line of a chunk, in one round trip: the first problem, or None."""
+    job_key, results, _running, pending, done, _runs = store._k(job)
+    with store.r.pipeline(transaction=True) as p:
+        p.hmget(job_key, ["status", "max_line"])
+        for line in lines:
+            p.hexists(results, str(line))
+            p.getbit(done, int(line))
+            p.hexists(pending, str(line))
+        answers = p.execute()
+    status, max_line = answers[0]
+    if isinstance(status, bytes):
+        status = status.decode()
+    if status not in ACTIVE_STATUSES:
+        return None  # gone, or stopped or ended: the claims skip the lines, nothing is written
+    max_line = int(max_line or 0)
+    for i, line in enumerate(lines):
+        in_redis, bit, queued = answers[1 + 3 * i : 4 + 3 * i]
+        if line > max_line:
+            return f"line {line} is beyond the last line of {job} ({max_line})"
+        if ledger and not (in_redis or bit) and not queued:
+            return f"line {line} of {job} was never queued (it is not in the job's pending ledger)"
+    return None

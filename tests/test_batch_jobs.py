@@ -53,7 +53,8 @@ def client(prefix):
             broker_url=TEST_BROKER_URL,
             result_backend=TEST_RESULT_BACKEND,
             queue=queue,
-            batch={"key_prefix": prefix, "max_line_bytes": 4096, "ttl": 600},
+            # a message a line: these tests read the lines' messages on the queue (chunks: tests/test_chunks.py)
+            batch={"key_prefix": prefix, "max_line_bytes": 4096, "ttl": 600, "chunk_lines": 1},
         )
     )
     yield c

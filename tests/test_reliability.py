@@ -261,7 +261,7 @@ def test_lines_whose_messages_were_lost_are_found_and_queued_again(redis_urls):
             broker_url=TEST_BROKER_URL,
             result_backend=TEST_RESULT_BACKEND,
             queue=queue,
-            batch={"key_prefix": f"{queue}:batch", "ttl": 600},
+            batch={"key_prefix": f"{queue}:batch", "ttl": 600, "chunk_lines": 1},  # a message a line: lost one by one
         )
     )
     broker = redis_client(TEST_BROKER_URL)

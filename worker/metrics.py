@@ -34,8 +34,8 @@ import time
 from batchery.broker.connection import is_redis_url, redis_from_url
 from batchery.broker.queues import queue_keys
 from batchery.contract.errors import BatcheryError
-from batchery.contract.names import ENQUEUED_AT_HEADER
-from batchery.contract.outcomes import LineOutcome, Outcome
+from batchery.contract.names import BATCH_LINE_TASK, ENQUEUED_AT_HEADER
+from batchery.contract.outcomes import ChunkOutcome, LineOutcome, Outcome
 from batchery.tasks.quarantine import num_quarantined
 from batchery.worker.service.state import EngineState
 from batchery.worker.service.step_stats import FixedHistogram, StepStats
@@ -147,7 +147,7 @@ def outcome_of(state: str | None, retval) -> Outcome:
 def tokens_of(retval) -> tuple[int, int]:
     """(prompt, generated) tokens of a finished attempt: a chat or completion result's ``usage``, or a
     batch line's ``LineOutcome``."""
-    if isinstance(retval, LineOutcome):
+    if isinstance(retval, (LineOutcome, ChunkOutcome)):
         return retval.prompt_tokens, retval.completion_tokens
     if isinstance(retval, dict):
         usage = retval.get("usage") or {}
@@ -289,7 +289,11 @@ class WorkerMetrics:
         _local.rec = None
         if rec is None or not self._ours(task):
             return
-        self.requests.labels(rec.task, outcome_of(state, retval).value).inc()
+        if isinstance(retval, ChunkOutcome):  # each line counts as a batch line, as if it had travelled alone
+            for outcome, n in retval.outcomes.items():
+                self.requests.labels(BATCH_LINE_TASK, outcome.value).inc(n)
+        else:
+            self.requests.labels(rec.task, outcome_of(state, retval).value).inc()
         self.duration.labels(rec.task).observe(time.perf_counter() - rec.started)
         prompt_tokens, generated_tokens = tokens_of(retval) if state == "SUCCESS" else (0, 0)
         if prompt_tokens:

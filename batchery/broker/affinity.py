@@ -179,7 +179,7 @@ class Affinity:
         return moved
 
     # -- the task's side -----------------------------------------------------------------------------
-    def route(self, request, task_name: str, kwargs: dict, priority: int) -> str | None:
+    def route(self, request, task_name: str, kwargs: dict, priority: int, headers: dict | None = None) -> str | None:
         """Where the line of ``request`` runs: None here (its group is this worker's, or its owner is gone, does
         not take forwarded lines or has enough waiting, or the line hopped enough), else the hostname of the owner
         it was forwarded to. Never raises."""
@@ -187,14 +187,16 @@ class Affinity:
         if not group:
             return None
         try:
-            return self._route(request, task_name, kwargs, priority, str(group))
+            return self._route(request, task_name, kwargs, priority, str(group), headers)
         except Exception as exc:  # noqa: BLE001 - affinity is an optimisation: the line runs here
             if not self._failing:
                 log.warning("prefix affinity failed (%s: %s); lines run where they land", type(exc).__name__, exc)
                 self._failing = True
             return None
 
-    def _route(self, request, task_name: str, kwargs: dict, priority: int, group: str) -> str | None:
+    def _route(
+        self, request, task_name: str, kwargs: dict, priority: int, group: str, headers: dict | None = None
+    ) -> str | None:
         key = lease_key(self.queue, group)
         owner = _s(self._claim(keys=[key, presence.KEY], args=[self.hostname, self.lease_ms, f"{self.queue}\n"]))
         self._failing = False
@@ -207,7 +209,7 @@ class Affinity:
             request.id,
             kwargs,
             f"{{'job': '{kwargs.get('job')}', 'line': {kwargs.get('line')}}}",
-            headers={PREFIX_HEADER: group, HOPS_HEADER: hops + 1},
+            headers={**(headers or {}), PREFIX_HEADER: group, HOPS_HEADER: hops + 1},
             enqueued_at=_float(getattr(request, "batchery_enqueued_at", None)),
         )
         target = queue_key(direct_queue(self.queue, owner), priority)

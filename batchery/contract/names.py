@@ -11,7 +11,10 @@ CHAT_TASK = "batchery.chat_completion"
 COMPLETION_TASK = "batchery.completion"
 RESPONSES_TASK = "batchery.responses"  # OpenAI Responses API bodies (/v1/responses)
 BATCH_LINE_TASK = "batchery.batch_line"
-TASK_NAMES = (CHAT_TASK, COMPLETION_TASK, RESPONSES_TASK, BATCH_LINE_TASK)
+BATCH_LINES_TASK = "batchery.batch_lines"  # a chunk of a batch job's lines in one message
+TASK_NAMES = (CHAT_TASK, COMPLETION_TASK, RESPONSES_TASK, BATCH_LINE_TASK, BATCH_LINES_TASK)
 
 QUEUE_PREFIX = "batchery."  # the default queue of a model is QUEUE_PREFIX + its name
 ENQUEUED_AT_HEADER = "batchery_enqueued_at"  # message header: the publisher's time.time() at enqueue
+CHUNK_JOB_HEADER = "batchery_job"  # message header of a chunk: its job (lost-line recovery reads it)
+CHUNK_LINES_HEADER = "batchery_lines"  # message header of a chunk: its lines, "3,4,9" (lost-line recovery reads it)

@@ -39,3 +39,21 @@ class LineOutcome:
         return f"{self.outcome.value} ({self.detail})" if self.detail else self.outcome.value
 
     __repr__ = __str__  # the worker log prints the return value
+
+
+@dataclass(frozen=True)
+class ChunkOutcome:
+    """What a chunk task (``batchery.batch_lines``) did: how many of its lines ended each way. The metrics count
+    each line as a ``batchery.batch_line`` request, as if it had travelled alone."""
+
+    outcomes: dict[Outcome, int]
+    detail: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def __str__(self) -> str:
+        if len(self.outcomes) == 1 and self.detail:
+            return f"{next(iter(self.outcomes)).value} ({self.detail})"
+        return self.detail or ", ".join(f"{n} {o.value}" for o, n in self.outcomes.items())
+
+    __repr__ = __str__  # the worker log prints the return value

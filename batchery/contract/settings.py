@@ -108,6 +108,12 @@ class BatchOptions(BaseModel):
     feeder_lease_s: float = Field(
         default=30.0, ge=1.0, le=3600.0, description="seconds without a heartbeat after which a job's feeder is dead"
     )
+    chunk_lines: int = Field(
+        default=1,
+        ge=1,
+        le=256,
+        description="lines one task message carries at most (1: a message a line)",
+    )
     drain_at: int = Field(
         default=4096,
         ge=0,
@@ -214,8 +220,8 @@ class Settings(BaseSettings):
     result_expires: int = Field(default=86400, ge=1, description="seconds results stay in the backend")
     storage_url: str = Field(
         default="~/.cache/batchery/store",
-        description="the file store of big jobs' inputs: a directory (or file:// URL) that submitters and workers "
-        "share (a volume in compose)",
+        description="the file store of big jobs' inputs and records: a directory (or file:// URL) that submitters, "
+        "readers and workers share (a volume in compose)",
     )
 
     # model and engine

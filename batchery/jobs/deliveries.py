@@ -50,6 +50,17 @@ class Deliveries:
         died, alone, first_at = self._begin(keys=[self.key(task_id)], args=[self.ttl])
         return Seen(int(died), int(alone), float(first_at))
 
+    def begin_in(self, pipe, task_id: str) -> None:
+        """``begin`` inside a pipeline (a chunk's lines); its reply is ``[died, alone, first_at]``."""
+        self._begin(keys=[self.key(task_id)], args=[self.ttl], client=pipe)
+
+    def end_in(self, pipe, task_id: str, *, keep: bool = False) -> None:
+        """``end`` inside a pipeline (a delivery that did not run alone)."""
+        if keep:
+            self._keep(keys=[self.key(task_id)], args=[self.ttl, "0"], client=pipe)
+        else:
+            pipe.delete(self.key(task_id))
+
     def alone(self, task_id: str) -> None:
         """The delivery that began last now runs alone (nothing else in its engine)."""
         with self.r.pipeline(transaction=True) as p:

@@ -34,6 +34,7 @@ import uuid
 
 from batchery.broker import affinity
 from batchery.broker.queues import queue_key, queue_keys
+from batchery.contract.names import CHUNK_JOB_HEADER, CHUNK_LINES_HEADER
 from batchery.jobs import lua
 
 log = logging.getLogger("batchery.recover")
@@ -108,9 +109,14 @@ def held_lines(broker, jobs: list[str]) -> dict[str, set[int]]:
         if not any(n in raw for n in needles):
             continue
         try:
-            message = json.loads(raw)[0]
-            task_id = str((message.get("headers") or {}).get("id") or "")
+            headers = json.loads(raw)[0].get("headers") or {}
+            task_id = str(headers.get("id") or "")
+            chunk_job = str(headers.get(CHUNK_JOB_HEADER) or "")
+            chunk_lines = str(headers.get(CHUNK_LINES_HEADER) or "")
         except (ValueError, TypeError, AttributeError, IndexError, KeyError):
+            continue
+        if chunk_job in found:  # a chunk (batchery.batch_lines): its lines are in a header
+            found[chunk_job].update(int(n) for n in chunk_lines.split(",") if n.isdigit())
             continue
         job, _, line = task_id.rpartition("-")
         if job in found and line.isdigit():

@@ -394,6 +394,27 @@ class JobStore:
             return _s(answer[0])
         return _s(answer)
 
+    def claim_in(self, pipe, job_id: str, line: int, lease_s: float, custom_id: str | None = None) -> None:
+        """``claim`` inside a pipeline (a chunk's lines); read the replies with ``claims_answered``."""
+        self._claim(
+            keys=self._k(job_id),
+            args=[_line_key(line), repr(float(lease_s)), expired_record(job_id, line, custom_id), self.ttl],
+            client=pipe,
+        )
+
+    def claims_answered(self, job_id: str, answers: list) -> list[str]:
+        """The pipelined claims' answers, as ``claim`` gives them (finalizes the job if an expired line was its
+        last)."""
+        out, finalize = [], False
+        for answer in answers:
+            if isinstance(answer, list):
+                finalize = finalize or _s(answer[1]) == "finalizing"
+                answer = answer[0]
+            out.append(_s(answer))
+        if finalize:
+            self.finalize(job_id)
+        return out
+
     def write(
         self,
         job_id: str,

@@ -62,7 +62,13 @@ from batchery.contract.batch import (
     parse_stream,
 )
 from batchery.contract.errors import InvalidRequest
-from batchery.contract.names import BATCH_LINE_TASK, ENQUEUED_AT_HEADER
+from batchery.contract.names import (
+    BATCH_LINE_TASK,
+    BATCH_LINES_TASK,
+    CHUNK_JOB_HEADER,
+    CHUNK_LINES_HEADER,
+    ENQUEUED_AT_HEADER,
+)
 from batchery.contract.schemas import check_timeout
 from batchery.jobs.storage import FileStorage, StorageError, open_storage
 from batchery.jobs.store import STOPPED_STATUSES, JobNotFound, JobStore, check_window, new_job_id
@@ -364,6 +370,11 @@ class Submitter:
             if self.broker is not None
             else None
         )
+        # lines of one prefix group travel together, up to chunk_lines a message (a Redis broker only)
+        self.chunk_lines = self.settings.batch.chunk_lines if self.builder is not None else 1
+        self.chunk_builder = (
+            MessageBuilder(self.app, BATCH_LINES_TASK, self.settings.queue, priority) if self.chunk_lines > 1 else None
+        )
         self.kwargs = {"timeout": timeout, "priority": priority}
         self.total = self.max_line = self.valid = self.skip_through = 0
         self.flushed_max_line = 0  # the last line of the last window recorded in the job
@@ -450,8 +461,9 @@ class Submitter:
             item = self._classify(item)
             if isinstance(item, BatchLine):
                 key = prefix_key(item.url, item.body)
-                message = self._message(item)
-                window.append((key, item.line, message))
+                group = prefix_group(item.url, item.body)
+                message = self._message(item, group)
+                window.append((key, item.line, message, (item, group)))
                 size += len(key) + _message_size(message)
             else:
                 errors.append(item)
@@ -483,7 +495,7 @@ class Submitter:
             self.first_errors.append(item)
         return item
 
-    def _message(self, item: BatchLine):
+    def _message(self, item: BatchLine, group: str):
         kwargs = {
             "job": self.job_id,
             "line": item.line,
@@ -499,7 +511,7 @@ class Submitter:
             task_id,
             kwargs,
             f"{{'job': '{self.job_id}', 'line': {item.line}}}",
-            headers={PREFIX_HEADER: prefix_group(item.url, item.body)},
+            headers={PREFIX_HEADER: group},
         )
 
     def _flush(self, window: list, errors: list[LineError]) -> bool:
@@ -513,7 +525,8 @@ class Submitter:
             if room is not None:
                 return True
         window.sort(key=lambda entry: entry[0])  # stable: lines with the same prefix stay in input order
-        messages = [(line, message) for _, line, message in window]
+        messages = [(line, message) for _, line, message, _ in window]
+        queued = self._chunks(window)  # what goes on the queue: chunks of a group's lines, or the lines' own
         window.clear()  # the keys go now; the messages are held until they are queued
         with self.store.r.pipeline(transaction=False) as p:
             for e in errors:
@@ -536,15 +549,67 @@ class Submitter:
         if status in STOPPED_STATUSES:
             self.store.end_submit(self.job_id, self.total, self.max_line, token=self.token)
             return True
-        for i in range(0, len(messages), self.chunk_size):
-            piece = [m for _, m in messages[i : i + self.chunk_size]]
+        for i in range(0, len(queued), self.chunk_size):
+            piece = queued[i : i + self.chunk_size]
             if self.builder is not None:
                 with self.broker.pipeline(transaction=False) as p:
-                    self.builder.push(p, piece)
+                    self.builder.push(p, piece)  # every message of a job goes to the same list (its priority's)
                     p.execute()
             else:
                 self._send_tasks(piece)
         return False
+
+    def _chunks(self, window: list) -> list:
+        """The messages that carry ``window``'s lines (sorted by prefix): up to ``chunk_lines`` lines of one prefix
+        group in one ``batchery.batch_lines`` message (prefix affinity sends it to the group's worker), and the lines
+        whose group has no other line in the window together, with no group; a line left alone keeps its own message
+        (the one the ledger holds). The ledger keeps every line's own message: a chunk that cannot run as one
+        (delivered again after its worker died, an engine failure) goes back to the queue as its lines' own
+        messages."""
+        if self.chunk_builder is None:
+            return [message for _, _, message, _ in window]
+        sizes: dict[str, int] = {}
+        for *_, (_, group) in window:
+            sizes[group] = sizes.get(group, 0) + 1
+        out: list = []
+        loose: list = []  # lines alone in their group: they share nothing, so any chunk does
+
+        def emit(entries: list, group: str | None) -> None:
+            if len(entries) == 1:
+                out.append(entries[0][2])
+            else:
+                out.append(self._chunk_message([item for *_, (item, _) in entries], group))
+
+        i = 0
+        while i < len(window):
+            group = window[i][3][1]
+            if sizes[group] == 1:
+                loose.append(window[i])
+                if len(loose) == self.chunk_lines:
+                    emit(loose, None)
+                    loose = []
+                i += 1
+                continue
+            j = i + 1
+            while j < len(window) and j - i < self.chunk_lines and window[j][3][1] == group:
+                j += 1
+            emit(window[i:j], group)
+            i = j
+        if loose:
+            emit(loose, None)
+        return out
+
+    def _chunk_message(self, items: list[BatchLine], group: str | None) -> str:
+        lines = [{"line": it.line, "custom_id": it.custom_id, "url": it.url, "body": it.body} for it in items]
+        headers = {CHUNK_JOB_HEADER: self.job_id, CHUNK_LINES_HEADER: ",".join(str(it.line) for it in items)}
+        if group is not None:
+            headers[PREFIX_HEADER] = group
+        return self.chunk_builder.build(
+            f"{self.job_id}-c{items[0].line}",
+            {"job": self.job_id, "lines": lines, **self.kwargs},
+            f"{{'job': '{self.job_id}', 'lines': {len(items)}}}",
+            headers=headers,
+        )
 
     def _room(self, n: int) -> str | None:
         """Wait until the job's window has room for ``n`` more lines: fewer than ``window`` lines queued or running

@@ -6,7 +6,8 @@
 -- Promises: read-only, and short (at most max messages, about max bytes). Reads from the left (the newest end):
 --   pushes at the left only move unread messages further right and pops at the right take only unread ones, so no
 --   message that stays in the list is skipped. A message's task id is its "id": key's value (headers.id; the body
---   is base64, so nothing else in the message spells it); compact and spaced JSON both match.
+--   is base64, so nothing else in the message spells it); compact and spaced JSON both match. A chunk's lines are
+--   its batchery_lines header's, for the job its batchery_job header names.
 local wanted = {}
 for i = 4, #ARGV do wanted[ARGV[i]] = true end
 local i = tonumber(ARGV[1])
@@ -32,6 +33,15 @@ while i < stop and bytes < max_bytes do
         end
       end
       pos = e + 1
+    end
+    -- a chunk (batchery.batch_lines) names its job and its lines in headers of its own
+    local cjob = string.match(msg, '"batchery_job":%s*"([^"]*)"')
+    if cjob and wanted[cjob] then
+      local list = string.match(msg, '"batchery_lines":%s*"([%d,]*)"')
+      for n in string.gmatch(list or '', '%d+') do
+        found[#found + 1] = cjob
+        found[#found + 1] = n
+      end
     end
   end
   i = i + #batch
