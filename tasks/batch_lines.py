@@ -24,8 +24,10 @@ chunk's lines in the engine and releases their leases."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import threading
 import time
 import types
 import uuid
@@ -82,7 +84,34 @@ def batch_lines(self, job: str, lines: list, timeout: float | None = None, prior
     if (self.request.delivery_info or {}).get("redelivered") or self.request.retries:
         n = split(self.app, store, job, nums, priority)
         return ChunkOutcome({Outcome.REQUEUED: n}, f"delivered again: {n} lines queued again one by one")
-    return Chunk(self, store, watch, job, lines, timeout, priority).run()
+    slots = app_resource(self.app, "batchery_line_slots", lambda: Slots(settings.num_task_threads))
+    with slots.take(len(lines)):  # no more lines started at once than task threads, as when each is a message
+        return Chunk(self, store, watch, job, lines, timeout, priority).run()
+
+
+class Slots:
+    """The lines a worker process runs at once, chunks or not: a chunk takes a slot per line before it claims them
+    (and waits for them), so a worker that has fetched many chunks starts no more lines than it has task threads.
+    A line counts as started from its claim: the completion window, cancels and the job's window see a chunk's
+    lines as they would see the same lines sent one by one."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, int(capacity))
+        self.free = self.capacity
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def take(self, n: int):
+        n = min(max(1, int(n)), self.capacity)
+        with self._cond:
+            self._cond.wait_for(lambda: self.free >= n)
+            self.free -= n
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.free += n
+                self._cond.notify_all()
 
 
 class Chunk:

@@ -122,6 +122,7 @@ def test_each_documents_lines_run_on_one_worker(workers):
     r = redis_client(workers.broker)
     ws = two_workers(workers, queue)
     c = workers.client(queue)
+    c.settings.batch.chunk_lines = 1  # a message a line: round robin splits a document's lines, affinity joins them
     try:
         lines = docqa_lines(8, 3, "a")
         job = c.submit_batch(lines)
