@@ -34,7 +34,7 @@ import time
 from batchery.broker.connection import is_redis_url, redis_from_url
 from batchery.broker.queues import queue_keys
 from batchery.contract.errors import BatcheryError
-from batchery.contract.names import BATCH_LINE_TASK, ENQUEUED_AT_HEADER
+from batchery.contract.names import BATCH_LINE_TASK, BATCH_LINES_TASK, ENQUEUED_AT_HEADER
 from batchery.contract.outcomes import ChunkOutcome, LineOutcome, Outcome
 from batchery.tasks.quarantine import num_quarantined
 from batchery.worker.service.state import EngineState
@@ -117,11 +117,12 @@ METRICS = {
 
 # -- the task threads' side: a thread-local record per running task ----------------------------------
 class _Running:
-    __slots__ = ("task", "started")
+    __slots__ = ("task", "started", "lines")
 
-    def __init__(self, task: str, started: float) -> None:
+    def __init__(self, task: str, started: float, lines: int = 1) -> None:
         self.task = task
         self.started = started
+        self.lines = lines
 
 
 _local = threading.local()
@@ -273,8 +274,12 @@ class WorkerMetrics:
     def _on_prerun(self, sender=None, task=None, **kwargs) -> None:
         if not self._ours(task):
             return
-        _local.rec = _Running(task.name, time.perf_counter())
         req = task.request
+        name, lines = task.name, 1
+        if name == BATCH_LINES_TASK:  # a chunk: its lines count as batch lines, each as if it had travelled alone
+            chunk = (req.kwargs or {}).get("lines")
+            name, lines = BATCH_LINE_TASK, len(chunk) if isinstance(chunk, list) and chunk else 1
+        _local.rec = _Running(name, time.perf_counter(), lines)
         enqueued = getattr(req, ENQUEUED_AT_HEADER, None)
         if enqueued is None or (req.retries or 0) or req.eta:
             return
@@ -282,7 +287,8 @@ class WorkerMetrics:
             wait = time.time() - float(enqueued)
         except (TypeError, ValueError):
             return
-        self.queue_wait.labels(task.name).observe(max(0.0, wait))
+        for _ in range(lines):
+            self.queue_wait.labels(name).observe(max(0.0, wait))
 
     def _on_postrun(self, sender=None, task=None, retval=None, state=None, **kwargs) -> None:
         rec = getattr(_local, "rec", None)
@@ -294,7 +300,9 @@ class WorkerMetrics:
                 self.requests.labels(BATCH_LINE_TASK, outcome.value).inc(n)
         else:
             self.requests.labels(rec.task, outcome_of(state, retval).value).inc()
-        self.duration.labels(rec.task).observe(time.perf_counter() - rec.started)
+        took = time.perf_counter() - rec.started  # a chunk's lines each count the chunk's time
+        for _ in range(rec.lines):
+            self.duration.labels(rec.task).observe(took)
         prompt_tokens, generated_tokens = tokens_of(retval) if state == "SUCCESS" else (0, 0)
         if prompt_tokens:
             self.prompt_tokens.labels(rec.task).inc(prompt_tokens)

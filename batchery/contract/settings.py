@@ -109,7 +109,7 @@ class BatchOptions(BaseModel):
         default=30.0, ge=1.0, le=3600.0, description="seconds without a heartbeat after which a job's feeder is dead"
     )
     chunk_lines: int = Field(
-        default=1,
+        default=32,
         ge=1,
         le=256,
         description="lines one task message carries at most (1: a message a line)",
