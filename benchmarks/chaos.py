@@ -982,6 +982,10 @@ class Chaos:
             pass
         waiter.join(s.job_timeout)
         client_log.close()
+        try:  # the job can end before the worker's consumer is back (its records go through another connection)
+            wait_until(lambda: w.log().count("Connected to redis") >= 2, 30, "the worker's consumer to reconnect", 0.2)
+        except TimeoutError:
+            pass
         log = w.log()
         row = self.tally(
             "5. private Redis (AOF) restarted",

@@ -252,6 +252,7 @@ def wait_until_working(stderr_path: Path, proc: subprocess.Popen) -> None:
 
 def test_ctrl_c_mid_job_leaves_no_processes_and_no_output(tiny_model_dir, tmp_path):
     env, tag = tiny_env(tiny_model_dir)
+    env["BATCHERY_BATCH__CHUNK_LINES"] = "1"  # a message a line: the lines finish one by one, the job stays long
     src, out = tmp_path / "long.jsonl", tmp_path / "out.jsonl"
     long_job(src)
     proc = start_run([str(src), "-o", str(out)], env, tmp_path / "stderr.txt")
@@ -272,6 +273,7 @@ def test_ctrl_c_mid_job_leaves_no_processes_and_no_output(tiny_model_dir, tmp_pa
 
 def test_sigkill_of_the_command_takes_its_children_down(tiny_model_dir, tmp_path):
     env, tag = tiny_env(tiny_model_dir)
+    env["BATCHERY_BATCH__CHUNK_LINES"] = "1"  # a message a line: the lines finish one by one, the job stays long
     src = tmp_path / "long.jsonl"
     long_job(src)
     proc = start_run([str(src), "-o", str(tmp_path / "out.jsonl")], env, tmp_path / "stderr.txt")

@@ -106,6 +106,7 @@ def worker_pid(tree: Tree) -> int | None:
 
 def test_run_restarts_a_killed_worker_and_completes(tiny_model_dir, tmp_path):
     env, tag = tiny_env(tiny_model_dir)
+    env["BATCHERY_BATCH__CHUNK_LINES"] = "1"  # a message a line: its first lines finish while others still run
     src, out, errs = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
     n = 24
     write_jsonl(src, [chat_line(f"q{i}", "hello", max_tokens=2 if i < 4 else 500) for i in range(n)])

@@ -99,7 +99,7 @@ def _dl_batch_line_refusal(c, entry: dict) -> str | None:
     status = c.jobs.get_status(job)
     if status is None:
         return f"its job {job} no longer exists"
-    if c.jobs.r.hexists(c.jobs.keys(job)[1], str(line)):
+    if isinstance(line, int) and 0 < line < 2**32 and c.jobs.recorded(job, line):  # in Redis or in the store
         return f"line {line} of {job} already has its record (a line runs once; submit it again in a new job)"
     if status not in ACTIVE_STATUSES:
         return f"its job {job} is {status}"
