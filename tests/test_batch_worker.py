@@ -169,6 +169,7 @@ def test_each_line_delivered_twice_counts_once(bclient, tiny_worker):
 def test_cancel_mid_job(workers):
     w = workers.spawn(BATCHERY_MAX_NUM_SEQS="8", BATCHERY_CONCURRENCY="10")
     c = workers.client(w.queue)
+    c.settings.batch.chunk_lines = 1  # a message a line: the short lines, queued first, run first
     short = [req(f"short-{i}", max_tokens=2) for i in range(4)]
     long = [req(f"long-{i}", max_tokens=3000, ignore_eos=True) for i in range(40)]
     job_id = c.submit_batch(short + long)
