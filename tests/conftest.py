@@ -35,6 +35,8 @@ from tiny_model import build_tiny_model
 REPO = Path(__file__).resolve().parents[1]
 TEST_BROKER_URL = os.environ.get("BATCHERY_TEST_BROKER_URL", "redis://127.0.0.1:6379/13")
 TEST_RESULT_BACKEND = os.environ.get("BATCHERY_TEST_RESULT_BACKEND", "redis://127.0.0.1:6379/14")
+# The job store's and Lua scripts' tests (no worker): Redis DB 15, under per-test key prefixes.
+RELIABILITY_URL = os.environ.get("BATCHERY_TEST_RELIABILITY_URL", "redis://127.0.0.1:6379/15")
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
@@ -254,6 +256,20 @@ class WorkerFactory:
         r = redis_client(self.broker)
         for q in self.queues:
             drop_queue_keys(r, q)
+
+
+@pytest.fixture()
+def r():
+    """A Redis client on ``RELIABILITY_URL``; the test is skipped where no Redis answers there."""
+    import redis
+
+    client = redis.Redis.from_url(RELIABILITY_URL)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.skip(f"no Redis at {RELIABILITY_URL}: {exc}")
+    yield client
+    client.close()
 
 
 @pytest.fixture(scope="session")

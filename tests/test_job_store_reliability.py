@@ -15,12 +15,11 @@ deletes only its own keys, except the flush test, which flushes DB 15 (this modu
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 
 import pytest
-import redis
+from conftest import RELIABILITY_URL as URL
 from conftest import drop_queue_keys
 
 from batchery import cli
@@ -29,7 +28,6 @@ from batchery.contract import batch
 from batchery.contract.settings import Settings
 from batchery.jobs.store import SUBMIT_STALE_S, JobNotFound, JobStore
 
-URL = os.environ.get("BATCHERY_TEST_RELIABILITY_URL", "redis://127.0.0.1:6379/15")
 SKEW_S = 130.0  # more than SUBMIT_STALE_S: a client this far off would fail a live submission on its own clock
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
@@ -42,17 +40,6 @@ def ok(job: str, line: int) -> dict:
     return batch.output_record(
         job, line, f"c{line}", f"{job}-{line}", {"usage": {"prompt_tokens": 2, "completion_tokens": 3}}
     )
-
-
-@pytest.fixture()
-def r():
-    client = redis.Redis.from_url(URL)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        pytest.skip(f"no Redis at {URL}: {exc}")
-    yield client
-    client.close()
 
 
 @pytest.fixture()

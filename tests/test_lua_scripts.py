@@ -5,15 +5,12 @@ read as package data and compiles in the real Redis (``SCRIPT LOAD``), alone and
 from __future__ import annotations
 
 import hashlib
-import os
 from importlib.resources import files
 
 import pytest
-import redis
 
 from batchery.jobs import lua
 
-URL = os.environ.get("BATCHERY_TEST_RELIABILITY_URL", "redis://127.0.0.1:6379/15")
 NAMES = sorted(f.name.removesuffix(".lua") for f in files(lua).iterdir() if f.name.endswith(".lua"))
 
 
@@ -39,17 +36,6 @@ def test_each_file_opens_with_its_keys_and_argv(name):
     assert "KEYS" in head and "ARGV" in head, f"{name}.lua's opening comment names no KEYS or ARGV"
     if name != "prelude":
         assert "-- Returns:" in head and "-- Promises:" in head, f"{name}.lua says not what it returns or promises"
-
-
-@pytest.fixture()
-def r():
-    client = redis.Redis.from_url(URL)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        pytest.skip(f"no Redis at {URL}: {exc}")
-    yield client
-    client.close()
 
 
 @pytest.mark.parametrize("name", NAMES)

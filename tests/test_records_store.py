@@ -13,31 +13,16 @@ real Redis (DB 15, a per-test key prefix) and a real directory store, with the r
 
 from __future__ import annotations
 
-import os
 import random
 import uuid
 
 import pytest
-import redis
 
 from batchery.contract import batch
 from batchery.contract.settings import Settings
 from batchery.jobs.records import Drainers, merge, parse_run, run_name, write_run
 from batchery.jobs.storage import LocalStorage, StorageError
 from batchery.jobs.store import JobStore
-
-URL = os.environ.get("BATCHERY_TEST_RELIABILITY_URL", "redis://127.0.0.1:6379/15")
-
-
-@pytest.fixture()
-def r():
-    client = redis.Redis.from_url(URL)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        pytest.skip(f"no Redis at {URL}: {exc}")
-    yield client
-    client.close()
 
 
 @pytest.fixture()
