@@ -1,0 +1,189 @@
+"""Runs a pooling model on a packed step: many whole inputs in one row, no KV cache.
+
+The transformers model module runs as it is (``AutoModel``: ``BertModel`` for the encoders, the base
+model of a decoder used as an embedder), on one packed row of every scheduled input's tokens with
+explicit position ids (each input counts from 0) and token type ids. Our attention function, registered
+with transformers' registry, attends within each input's own rows only: bidirectionally for encoders,
+causally for decoders. Each input is attended alone, so its rows never depend on what shares the step.
+
+Linear layers see every row of the step at once. torch's CPU GEMM (MKL) can take another path for a
+handful of rows than for many, so a step shorter than ``MIN_STEP_ROWS`` is padded with a throwaway
+segment: the same input then gives the same bits alone and in a full step (fp32)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from batchery.engine.config import EngineConfig
+from batchery.engine.loader import _model_path, resolve_device, resolve_dtype
+from batchery.engine.pooling import PoolerConfig, pool, read_pooler_config
+
+log = logging.getLogger("batchery.engine.pooling")
+
+ATTN_IMPLEMENTATION = "batchery_packed"
+MIN_STEP_ROWS = 32  # GEMMs below this many rows may sum in another order (see the module docstring)
+
+_local = threading.local()  # the step's segments, read by the attention function (thread-local, as metadata.py)
+
+
+@dataclass
+class _Segments:
+    bounds: list[tuple[int, int]]  # (first row, rows) of each input in the packed row
+    causal: bool  # decoders used as embedders attend causally
+
+
+def packed_attention_forward(
+    module: Any,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,  # [1, Hkv, T, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature; ``attention_mask`` and ``dropout`` are unused (the
+    segments say what each query sees; inference has no dropout). Returns [1, T, H, D]."""
+    seg: _Segments | None = getattr(_local, "segments", None)
+    if seg is None:
+        raise RuntimeError("batchery packed attention called outside a pooling step")
+    if softcap is not None:
+        raise NotImplementedError("the pooling runner does not implement attention logit soft-capping")
+    causal = seg.causal and bool(getattr(module, "is_causal", True))
+    gqa = query.shape[1] != key.shape[1]
+    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # [1, T, H, D]
+    for start, n in seg.bounds:
+        if sliding_window is not None and n > sliding_window:
+            raise NotImplementedError("the pooling runner does not implement sliding-window attention")
+        q, k, v = (t[:, :, start : start + n] for t in (query, key, value))  # [1, heads, n, D]
+        o = F.scaled_dot_product_attention(q, k, v, scale=scaling, is_causal=causal, enable_gqa=gqa)
+        out[:, start : start + n] = o.transpose(1, 2)
+    return out, None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    return None  # the attention function needs no mask: each segment is attended alone
+
+
+def register() -> None:
+    """Idempotent: make ``attn_implementation=ATTN_IMPLEMENTATION`` known to transformers."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, _no_mask)
+
+
+@dataclass
+class LoadedEncoder:
+    """A pooling model's weights, tokenizer and pooler, loaded once per process."""
+
+    model: Any  # a transformers base model (AutoModel), in eval mode, on ``device``
+    tokenizer: Any
+    hf_config: Any
+    pooler: PoolerConfig
+    dtype: torch.dtype
+    device: torch.device
+    is_causal: bool  # a decoder used as an embedder
+    name: str
+
+
+def is_pooling_model(model: str) -> bool:
+    """Whether the model name or directory is a pooling (embedding) model: a sentence-transformers
+    directory (``modules.json``) or an architecture with no LM head. GGUF files are chat models."""
+    path = _model_path(model)
+    if path.is_file():
+        return False
+    if (path / "modules.json").exists():
+        return True
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
+    archs = getattr(cfg, "architectures", None) or []
+    return bool(archs) and not any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in archs)
+
+
+def load_encoder(config: EngineConfig) -> LoadedEncoder:
+    """Load a pooling model from a directory or a built-in name (never from a hub)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    register()
+    path: Path = _model_path(config.model)
+    if path.is_file():
+        raise ValueError(f"{path} is a GGUF file; pooling models load from a directory")
+    dev = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, dev)
+    t0 = time.perf_counter()
+    common: dict[str, Any] = dict(trust_remote_code=config.trust_remote_code, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), **common)
+    model = AutoModel.from_pretrained(str(path), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, **common)
+    model.to(dev).eval()
+    model.requires_grad_(False)
+    hf_config = model.config
+    is_causal = bool(getattr(hf_config, "is_decoder", False)) or getattr(hf_config, "model_type", "") not in _ENCODERS
+    pooler = read_pooler_config(path, hf_config, is_causal)
+    if config.max_model_len is not None:
+        pooler = PoolerConfig(
+            pooler.method, pooler.normalize, pooler.hidden_size, config.max_model_len, pooler.matryoshka_dims
+        )
+    log.info(
+        "loaded pooling model %s (%s, %s pooling%s, %d tokens at most) in %.2f s",
+        config.model,
+        str(dtype).removeprefix("torch."),
+        pooler.method,
+        ", normalized" if pooler.normalize else "",
+        pooler.max_seq_len,
+        time.perf_counter() - t0,
+    )
+    return LoadedEncoder(model, tokenizer, hf_config, pooler, dtype, dev, is_causal, config.model)
+
+
+# encoder-only model types (bidirectional attention); any other type is run as a causal decoder
+_ENCODERS = frozenset({"bert", "roberta", "xlm-roberta", "distilbert", "electra", "mpnet", "camembert", "deberta"})
+
+
+class EncoderRunner:
+    """Runs one packed pooling step: ``execute(token_ids) -> [num_seqs, hidden]`` pooled vectors (fp32)."""
+
+    def __init__(self, loaded: LoadedEncoder) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.pad_id = int(getattr(loaded.hf_config, "pad_token_id", None) or 0)
+        self.uses_token_types = int(getattr(loaded.hf_config, "type_vocab_size", 0) or 0) > 0
+
+    @torch.inference_mode()
+    def execute(self, token_ids: list[list[int]]) -> torch.Tensor:
+        seq_lens = [len(t) for t in token_ids]
+        flat = [t for ids in token_ids for t in ids]
+        positions = [p for n in seq_lens for p in range(n)]
+        bounds, start = [], 0
+        for n in seq_lens:
+            bounds.append((start, n))
+            start += n
+        if start < MIN_STEP_ROWS:  # a throwaway segment, so no GEMM sees fewer rows than this
+            pad = MIN_STEP_ROWS - start
+            flat += [self.pad_id] * pad
+            positions += list(range(pad))
+            bounds.append((start, pad))
+        input_ids = torch.tensor([flat], dtype=torch.long, device=self.device)  # [1, T]
+        position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)  # [1, T]
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids}
+        if self.uses_token_types:
+            kwargs["token_type_ids"] = torch.zeros_like(input_ids)  # one sentence per input: type 0
+        _local.segments = _Segments(bounds, self.loaded.is_causal)
+        try:
+            hidden = self.model(**kwargs).last_hidden_state[0]  # [T, hidden]
+        finally:
+            _local.segments = None
+        return pool(hidden, seq_lens, self.loaded.pooler)  # [num_seqs, hidden]
