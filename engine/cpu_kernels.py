@@ -13,10 +13,17 @@ modules naming their ``SOURCES`` and the ``FUNCTIONS`` they export), compiled in
 cached by a hash of every file in ``csrc/`` (headers included), the flags and torch.
 
 If the build fails (no compiler, no ninja) every caller falls back to torch; set
-``BATCHERY_CPU_KERNELS=0`` to skip the build and use torch everywhere."""
+``BATCHERY_CPU_KERNELS=0`` to skip the build and use torch everywhere.
+
+Builds are serialized by a lock of our own (``flock`` on ``build.lock`` beside the notes), which the kernel
+releases when its holder dies. cpp_extension's own lock is a plain file (``lock`` in its build directory) that a
+process killed mid-build (a worker stopped during start-up, a test's timeout) leaves behind, and every later
+build then waits for it forever, silently. Holding our lock, no other Batchery process is building, so such a
+file is stale: it is removed, with a warning, before the build."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -26,6 +33,7 @@ import os
 import sys
 import threading
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger("batchery.engine.kernels")
@@ -153,6 +161,56 @@ def _note_built(marker: Path, module: types.ModuleType) -> None:
         log.debug("could not note the built CPU kernels: %s", e)
 
 
+@contextlib.contextmanager
+def _build_lock(marker: Path) -> Iterator[None]:
+    """Hold the build lock (waiting, with a log line, while another process builds). Without a writable cache
+    directory the build goes on unlocked, as cpp_extension alone would do it."""
+    import fcntl
+
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        f = open(marker.parent / "build.lock", "a+")  # noqa: SIM115 - held for the whole build
+    except OSError as e:
+        log.debug("no build lock (%s); building unlocked", e)
+        yield
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is building the CPU kernels; waiting for it")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def clear_stale_baton(build_dir: Path) -> bool:
+    """Remove cpp_extension's lock file from ``build_dir`` (called with the build lock held, so no live Batchery
+    process is building there: the file was left by one that died mid-build). Returns whether one was there."""
+    baton = build_dir / "lock"
+    try:
+        baton.unlink()
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        log.warning("could not remove %s (%s); the build may wait for it", baton, e)
+        return False
+    log.warning("removed %s, left by a process that died while building the CPU kernels", baton)
+    return True
+
+
+def _torch_build_dir() -> Path | None:
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return Path(_get_build_directory(NAME, verbose=False))
+    except Exception as e:  # noqa: BLE001 - a private helper of torch's: without it, nothing to clear
+        log.debug("cpp_extension's build directory unknown (%s)", e)
+        return None
+
+
 def load() -> types.ModuleType | None:
     """The compiled module, or None when it cannot be built here (callers then use torch)."""
     global _module, _failed
@@ -172,21 +230,30 @@ def load() -> types.ModuleType | None:
             _module = _load_built(marker)
             if _module is not None:
                 return _module
-            try:
-                from torch.utils.cpp_extension import load as load_extension
-
-                log.info("building the CPU kernels (first use only, cached afterwards)")
-                _module = load_extension(
-                    name=NAME,
-                    sources=[str(path) for path in sources()],
-                    extra_cflags=list(_CFLAGS),  # cpp_extension appends to the lists it is given
-                    extra_ldflags=list(_LDFLAGS),
-                    verbose=False,
-                )
-                _note_built(marker, _module)
-            except Exception as e:  # no compiler, no ninja, ...: the torch paths still work
-                _failed = True
-                log.warning(
-                    "CPU kernels unavailable (%s); using torch", str(e).splitlines()[0] if str(e) else type(e).__name__
-                )
+            with _build_lock(marker):
+                _module = _load_built(marker)  # built by the process this one waited for
+                if _module is None:
+                    _build(marker)
     return _module
+
+
+def _build(marker: Path) -> None:
+    global _module, _failed
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        build_dir = _torch_build_dir()
+        if build_dir is not None:
+            clear_stale_baton(build_dir)
+        log.info("building the CPU kernels (first use only, cached afterwards)")
+        _module = load_extension(
+            name=NAME,
+            sources=[str(path) for path in sources()],
+            extra_cflags=list(_CFLAGS),  # cpp_extension appends to the lists it is given
+            extra_ldflags=list(_LDFLAGS),
+            verbose=False,
+        )
+        _note_built(marker, _module)
+    except Exception as e:  # no compiler, no ninja, ...: the torch paths still work
+        _failed = True
+        log.warning("CPU kernels unavailable (%s); using torch", str(e).splitlines()[0] if str(e) else type(e).__name__)
