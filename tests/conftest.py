@@ -272,8 +272,24 @@ def r():
     client.close()
 
 
+_kernels_checked = False
+
+
+def build_kernels_once() -> None:
+    """Build the CPU kernels here, once, before the first worker starts: on a cold cache the build takes minutes,
+    which would otherwise be spent inside a worker's start-up timeout (and a worker killed mid-build used to leave
+    a lock that hung every later one)."""
+    global _kernels_checked
+    if not _kernels_checked:
+        _kernels_checked = True
+        from batchery.engine import cpu_kernels
+
+        cpu_kernels.load()
+
+
 @pytest.fixture(scope="session")
 def session_workers(tiny_model_dir, redis_urls, tmp_path_factory):
+    build_kernels_once()
     f = WorkerFactory(tiny_model_dir, *redis_urls, tmp_path_factory.mktemp("worker-logs"))
     yield f
     f.close()
@@ -282,6 +298,7 @@ def session_workers(tiny_model_dir, redis_urls, tmp_path_factory):
 @pytest.fixture()
 def workers(tiny_model_dir, redis_urls, tmp_path):
     """Dedicated workers for one test (fault injection, shutdown); killed afterwards."""
+    build_kernels_once()
     f = WorkerFactory(tiny_model_dir, *redis_urls, tmp_path)
     yield f
     f.close()
