@@ -19,7 +19,8 @@ bounded so one message cannot exhaust a worker.
 The schemas live in modules by topic (each imports only those before it): ``common`` (limits, the ignored and
 refused fields, error wording), ``constraints`` (response formats, structured outputs), ``function_tools``,
 ``messages``, ``sampling`` (the fields both requests share), ``chat`` and ``completions`` (the two request bodies),
-``results`` (the response bodies) and ``batches`` (batch jobs). Every name is importable from here, as before."""
+``results`` (the response bodies), ``embeddings`` (the embeddings request and response) and ``batches`` (batch
+jobs). Every name is importable from here, as before."""
 
 from __future__ import annotations
 
@@ -90,6 +91,13 @@ from batchery.contract.schemas.constraints import (
     StructuredOutputs,
     _check_choice,
 )
+from batchery.contract.schemas.embeddings import (
+    MAX_EMBEDDING_INPUTS,
+    Embedding,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+)
 from batchery.contract.schemas.function_tools import (
     FunctionDefinition,
     FunctionTool,
@@ -132,6 +140,11 @@ from batchery.contract.schemas.sampling import (
 )
 
 __all__ = [
+    "MAX_EMBEDDING_INPUTS",
+    "Embedding",
+    "EmbeddingRequest",
+    "EmbeddingResponse",
+    "EmbeddingUsage",
     "AssistantMessage",
     "BatchError",
     "BatchJob",
