@@ -77,7 +77,7 @@ class LLM:
                 results[rid] = EmbeddingOutput(rid, ids, [], error=str(e))
         while engine.has_unfinished():
             for out in engine.step():
-                results[out.request_id] = out
+                results[out.request_id] = out.outputs[0]
         return [results[rid] for rid in order]
 
     def generate(

@@ -57,6 +57,20 @@ class EmbeddingOutput:
         return len(self.prompt_token_ids)
 
 
+@dataclass
+class PoolingRequestOutput:
+    """What ``PoolingEngine.step()`` hands back for a request once every one of its inputs is pooled."""
+
+    request_id: str
+    outputs: list[EmbeddingOutput]  # one per input, in input order
+    finish_reason: str = "stop"  # as a generation request's (the engine service reads it): always "stop"
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(o.num_prompt_tokens for o in self.outputs)
+
+
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
