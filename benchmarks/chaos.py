@@ -1418,14 +1418,20 @@ class Chaos:
             message = ((records.get(lines[i]["custom_id"]) or {}).get("error") or {}).get("message", "")
             entry = letters.get(f"{job}-{i + 1}") or {}
             died, alone = entry.get("deliveries", 0), entry.get("deliveries_alone", 0)
-            return (
+            ok = (
                 max_deliveries <= died <= len(exits)
                 and alone >= max_deliveries - 2
                 and f"delivered {died} times and the worker process died each time ({alone} of them running alone)"
                 in message
             )
+            if not ok:
+                self.say(
+                    f"kill-poison: {lines[i]['custom_id']}: dead-letter entry {died} deliveries ({alone} alone), "
+                    f"{len(exits)} worker deaths; its record says {message!r}"
+                )
+            return ok
 
-        named = all(names_its_deliveries(i) for i in bad)
+        named = all([names_its_deliveries(i) for i in bad])  # a list: each line that fails says why
         self.say(
             "kill-poison: "
             + "; ".join(

@@ -25,20 +25,24 @@ chunk's lines in the engine and releases their leases."""
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 import time
 import types
-import uuid
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as futures_wait
 
 from pydantic import ValidationError
 
 from batchery.broker.connection import is_redis_url, redis_from_url, retry_through_outage
-from batchery.broker.queues import queue_key
-from batchery.contract.batch import CHAT_URL, COMPLETIONS_URL, RESPONSES_URL, error_record, output_record
+from batchery.contract.batch import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    EMBEDDINGS_URL,
+    RESPONSES_URL,
+    error_record,
+    output_record,
+)
 from batchery.contract.errors import (
     BatcheryError,
     DeadlineExceeded,
@@ -51,10 +55,13 @@ from batchery.contract.names import CHUNK_JOB_HEADER, CHUNK_LINES_HEADER
 from batchery.contract.outcomes import ChunkOutcome, Outcome
 from batchery.contract.responses import ResponsesRequest, response_from_chat
 from batchery.contract.schemas import ChatCompletionRequest, CompletionRequest, describe_validation_error
+from batchery.contract.schemas.embeddings import EmbeddingRequest
+from batchery.jobs.recover import push_copies
 from batchery.jobs.store import LEASE_GRACE_S
 from batchery.tasks import messages, quarantine, redelivery
 from batchery.tasks.batch_line import _refuse, _retrying
 from batchery.tasks.chat import _validate, chat_generation, resolve_timeout, shape_chat, shape_completion
+from batchery.tasks.embeddings import embedding_generation, shape_embeddings
 from batchery.tasks.stores import app_resource, job_store
 
 log = logging.getLogger("batchery.batch")
@@ -358,6 +365,9 @@ def prepare(url: str, body: dict, priority: int):
             return response_from_chat(chat, response_id=f"resp_{rid}", created_at=started, model=model, req=rreq)
 
         return chat_generation(req, priority), finish
+    if url == EMBEDDINGS_URL:
+        ereq = _validate(EmbeddingRequest, body)
+        return embedding_generation(ereq, priority), lambda r, rid, model, started: shape_embeddings(ereq, r, model)
     raise InvalidRequest(f"unsupported url {url!r}")
 
 
@@ -370,21 +380,8 @@ def split(app, store, job: str, lines: list[int], priority: int) -> int:
     if not copies:
         return 0
     broker = app_resource(app, "batchery_chunk_broker", lambda: redis_from_url(settings.broker_url))
-    out = []
-    for raw in copies.values():
-        msg = json.loads(raw)
-        msg.setdefault("headers", {})["redelivered"] = True
-        props = msg.setdefault("properties", {})
-        props["delivery_tag"] = str(uuid.uuid4())
-        props.setdefault("delivery_info", {})["redelivered"] = True
-        out.append((queue_key(str(settings.queue), props.get("priority") or priority), json.dumps(msg)))
-
-    def push() -> None:
-        with broker.pipeline(transaction=False) as p:
-            for key, msg in out:
-                p.rpush(key, msg)  # the end BRPOP takes from: they have waited once already
-            p.execute()
-
-    _retrying(f"queueing lines of {job} again", push)
-    log.info("batch %s: %d lines of a chunk queued again one by one", job, len(out))
-    return len(out)
+    n = _retrying(
+        f"queueing lines of {job} again", push_copies, broker, str(settings.queue), copies, True, priority
+    )  # fmt: skip
+    log.info("batch %s: %d lines of a chunk queued again one by one", job, n)
+    return n

@@ -54,24 +54,7 @@ def check_in_job(store, job: str, line: int, ledger: bool) -> str | None:
     """What is wrong with line ``line`` of ``job`` while the job runs (None: nothing; or the job is gone
     or stopped, which the claim then reports). ``ledger``: the submitter keeps a pending ledger (a Redis
     broker)."""
-    job_key, results, _running, pending, done, _runs = store._k(job)
-    with store.r.pipeline(transaction=True) as p:
-        p.hmget(job_key, ["status", "max_line"])
-        p.hexists(results, str(line))
-        p.getbit(done, int(line))  # a record drained to the file store keeps its bit
-        p.hexists(pending, str(line))
-        (status, max_line), in_redis, bit, queued = p.execute()
-    recorded = in_redis or bit
-    if isinstance(status, bytes):
-        status = status.decode()
-    if status not in ACTIVE_STATUSES:
-        return None  # gone, or stopped or ended: the claim skips the line, nothing is written
-    max_line = int(max_line or 0)
-    if line > max_line:
-        return f"line {line} is beyond the last line of {job} ({max_line})"
-    if ledger and not recorded and not queued:
-        return f"line {line} of {job} was never queued (it is not in the job's pending ledger)"
-    return None
+    return check_chunk_in_job(store, job, [line], ledger)
 
 
 MAX_CHUNK_LINES = 256  # the most lines a chunk message may carry (BATCHERY_BATCH__CHUNK_LINES is at most this)
@@ -103,7 +86,8 @@ def check_chunk(task_id, job, lines, timeout, priority) -> str | None:
 
 
 def check_chunk_in_job(store, job: str, lines: list[int], ledger: bool) -> str | None:
-    """``check_in_job`` for every line of a chunk, in one round trip: the first problem, or None."""
+    """``check_in_job`` for every line of a chunk, in one round trip: the first problem, or None. A record drained
+    to the file store keeps its bit in the done bitmap."""
     job_key, results, _running, pending, done, _runs = store._k(job)
     with store.r.pipeline(transaction=True) as p:
         p.hmget(job_key, ["status", "max_line"])

@@ -156,19 +156,33 @@ def find_lost(store, broker, job_id: str, queue: str, confirm_s: float = CONFIRM
     return find_lost_many(store, broker, queue, [job_id], confirm_s).get(job_id, set())
 
 
+def push_copies(broker, queue: str, copies: dict, redelivered: bool = False, priority: int = 0) -> int:
+    """Push the ledger's copies of lines (raw messages, by line) back at the head of the queue, each with a fresh
+    delivery tag, in one round trip; ``redelivered`` flags them delivered before (quarantine then reads their
+    strikes). ``priority``: for a copy that names none. Returns how many."""
+    out = []
+    for raw in copies.values():
+        msg = json.loads(raw)
+        props = msg.setdefault("properties", {})
+        props["delivery_tag"] = str(uuid.uuid4())
+        if redelivered:
+            msg.setdefault("headers", {})["redelivered"] = True
+            props.setdefault("delivery_info", {})["redelivered"] = True
+        out.append((queue_key(queue, props.get("priority") or priority), json.dumps(msg)))
+    with broker.pipeline(transaction=False) as p:
+        for key, msg in out:
+            p.rpush(key, msg)  # RPUSH: the end BRPOP takes from (the head); the line has waited long enough
+        p.execute()
+    return len(out)
+
+
 def requeue(store, broker, job_id: str, queue: str, lines: list[int]) -> int:
     """Put the ledger's copies of ``lines`` (those still pending) back at the head of the queue, each with a fresh
     delivery tag; returns how many."""
     messages = store.pending_messages(job_id, sorted(lines))
     if not messages:
         return 0
-    with broker.pipeline(transaction=False) as p:
-        for raw in messages.values():
-            msg = json.loads(raw)
-            msg["properties"]["delivery_tag"] = str(uuid.uuid4())
-            # RPUSH: the end BRPOP takes from (the head); the line has waited long enough
-            p.rpush(queue_key(queue, msg["properties"].get("priority") or 0), json.dumps(msg))
-        p.execute()
+    push_copies(broker, queue, messages)
     log.warning(
         "batch job %s: the messages of %d lines were lost by the broker (a Redis restart or a worker "
         "death between taking a message and recording it); queued them again: lines %s",

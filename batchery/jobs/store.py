@@ -384,23 +384,15 @@ class JobStore:
         (it has a record), ``"gone"`` (no such job), ``"expired"`` (the job's completion window has ended: the
         line is not run, and this call recorded it ``batch_expired``, with ``custom_id``) or the job's status
         when lines must not run."""
-        answer = self._claim(
-            keys=self._k(job_id),
-            args=[_line_key(line), repr(float(lease_s)), expired_record(job_id, line, custom_id), self.ttl],
-        )
-        if isinstance(answer, list):  # expired: the record may have been the job's last
-            if _s(answer[1]) == "finalizing":
-                self.finalize(job_id)
-            return _s(answer[0])
-        return _s(answer)
+        return self.claims_answered(job_id, [self._claim(**self._claim_args(job_id, line, lease_s, custom_id))])[0]
 
     def claim_in(self, pipe, job_id: str, line: int, lease_s: float, custom_id: str | None = None) -> None:
         """``claim`` inside a pipeline (a chunk's lines); read the replies with ``claims_answered``."""
-        self._claim(
-            keys=self._k(job_id),
-            args=[_line_key(line), repr(float(lease_s)), expired_record(job_id, line, custom_id), self.ttl],
-            client=pipe,
-        )
+        self._claim(**self._claim_args(job_id, line, lease_s, custom_id), client=pipe)
+
+    def _claim_args(self, job_id: str, line: int, lease_s: float, custom_id: str | None) -> dict:
+        args = [_line_key(line), repr(float(lease_s)), expired_record(job_id, line, custom_id), self.ttl]
+        return {"keys": self._k(job_id), "args": args}
 
     def claims_answered(self, job_id: str, answers: list) -> list[str]:
         """The pipelined claims' answers, as ``claim`` gives them (finalizes the job if an expired line was its
