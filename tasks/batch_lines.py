@@ -58,7 +58,7 @@ from batchery.contract.schemas import ChatCompletionRequest, CompletionRequest, 
 from batchery.contract.schemas.embeddings import EmbeddingRequest
 from batchery.jobs.recover import push_copies
 from batchery.jobs.store import LEASE_GRACE_S
-from batchery.tasks import messages, quarantine, redelivery
+from batchery.tasks import inflight, messages, quarantine, redelivery
 from batchery.tasks.batch_line import _refuse, _retrying
 from batchery.tasks.chat import _validate, chat_generation, resolve_timeout, shape_chat, shape_completion
 from batchery.tasks.embeddings import embedding_generation, shape_embeddings
@@ -140,6 +140,17 @@ class Chunk:
         self.tokens = (0, 0)  # prompt and completion tokens of the lines that succeeded
 
     def run(self) -> ChunkOutcome:
+        """Run the chunk's lines that no other copy runs in this process (``batchery.tasks.inflight``)."""
+        mine = set(inflight.take(self.job, [entry["line"] for entry in self.lines]))
+        others = len(self.lines) - len(mine)
+        self.lines = [entry for entry in self.lines if entry["line"] in mine]
+        self._count(Outcome.SKIPPED, others)
+        try:
+            return self._run_held()
+        finally:
+            inflight.release(self.job, sorted(mine))
+
+    def _run_held(self) -> ChunkOutcome:
         try:
             lease = resolve_timeout(self.timeout, self.settings) + self.settings.retry_backoff_max + LEASE_GRACE_S
         except InvalidRequest:

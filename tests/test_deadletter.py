@@ -263,6 +263,42 @@ def test_a_line_that_kills_its_worker_is_dead_lettered_and_every_other_line_comp
         factory.close()
 
 
+def test_two_copies_of_a_killing_line_in_one_process_count_each_death_once(tiny_model_dir, private_redis, tmp_path):
+    """A duplicate message of a line that kills its worker (chaos row 14 saw one: its dead-letter entry and its
+    ``engine_crash`` record named different delivery counts). The copy that finds its line in flight in the same
+    process is skipped (``batchery.tasks.inflight``), so each death counts once: the worker dies
+    ``MAX_DELIVERIES`` times, and the record names exactly the deliveries its dead-letter entry counts."""
+    from batchery.jobs.recover import push_copies
+
+    factory = WorkerFactory(tiny_model_dir, private_redis, private_redis, tmp_path)
+    try:
+        queue = factory.new_queue()
+        client = factory.client(queue)
+        rows = [chat_line(f"ok{i}", f"hello number {i}") for i in range(6)]
+        rows.insert(3, chat_line("poison", f"please {POISON} now"))
+        job = client.submit_batch(rows)
+        copies = client.jobs.pending_messages(job, [4])  # the poison is line 4: its ledger copy, queued again
+        assert push_copies(redis_client(private_redis), queue, copies) == 1
+        reviver = Reviver(factory, queue)  # the worker starts with both copies waiting
+
+        def ended():
+            reviver.check()
+            return client.batch_status(job).is_terminal
+
+        wait_for(ended, 240, interval=0.2, what="the job to end while its worker keeps dying")
+        records = {r["custom_id"]: r for r in client.batch_results(job)}
+        assert client.batch_status(job).request_counts.completed == 6
+        assert reviver.exits == [EXIT_ON_CODE] * MAX_DELIVERIES, reviver.exits
+        entry = DeadLetters(redis_client(private_redis), "batchery:deadletter").get(f"{job}-4")
+        assert entry is not None and entry["deliveries"] == MAX_DELIVERIES, entry
+        message = records["poison"]["error"]["message"]
+        named = f"delivered {entry['deliveries']} times and the worker process died each time"
+        assert records["poison"]["error"]["code"] == "engine_crash" and message.startswith(named), (message, entry)
+        client.close()
+    finally:
+        factory.close()
+
+
 def test_a_chat_request_that_kills_its_worker_fails_clearly_and_can_be_requeued(
     tiny_model_dir, private_redis, tmp_path
 ):
