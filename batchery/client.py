@@ -49,7 +49,7 @@ from batchery.contract.errors import (
     ResultTimeout,
     TaskExpired,
 )
-from batchery.contract.names import CHAT_TASK, COMPLETION_TASK, ENQUEUED_AT_HEADER, RESPONSES_TASK
+from batchery.contract.names import CHAT_TASK, COMPLETION_TASK, EMBEDDINGS_TASK, ENQUEUED_AT_HEADER, RESPONSES_TASK
 from batchery.contract.responses import Response, ResponsesRequest
 from batchery.contract.schemas import (
     BatchJob,
@@ -57,6 +57,8 @@ from batchery.contract.schemas import (
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
+    EmbeddingRequest,
+    EmbeddingResponse,
     check_timeout,
     describe_validation_error,
 )
@@ -252,6 +254,25 @@ class Client:
         return self._send(
             COMPLETION_TASK, CompletionRequest, Completion, {"prompt": prompt, **params}, timeout, expires
         )
+
+    def embed(
+        self,
+        input: str | list[str] | list[int] | list[list[int]],
+        *,
+        dimensions: int | None = None,
+        encoding_format: str | None = None,
+        timeout: float | None = None,
+        expires: float | datetime | None = None,
+        **fields,
+    ) -> Handle:
+        """Enqueue an embeddings request (OpenAI's ``/v1/embeddings`` body) for a worker of an embedding model
+        (``BATCHERY_MODEL=all-minilm-l6-v2``): ``input`` is a string, a list of up to 2,048 strings, a list of token
+        ids or a list of such lists. ``get`` returns an ``EmbeddingResponse`` (``data[i].embedding``, ``usage``).
+        Other fields: ``truncate_prompt_tokens`` (vLLM's), ``user``. A worker of a generative model answers with
+        ``InvalidRequest``, naming its model's kind."""
+        named = dict(dimensions=dimensions, encoding_format=encoding_format)
+        body = {"input": input, **{k: v for k, v in named.items() if v is not None}, **fields}
+        return self._send(EMBEDDINGS_TASK, EmbeddingRequest, EmbeddingResponse, body, timeout, expires)
 
     # -- bulk -----------------------------------------------------------------------------------
     def chat_many(

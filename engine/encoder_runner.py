@@ -132,7 +132,7 @@ def load_encoder(config: EngineConfig) -> LoadedEncoder:
     hf_config = model.config
     is_causal = bool(getattr(hf_config, "is_decoder", False)) or getattr(hf_config, "model_type", "") not in _ENCODERS
     pooler = read_pooler_config(path, hf_config, is_causal)
-    if config.max_model_len is not None:
+    if config.max_model_len is not None and config.max_model_len < pooler.max_seq_len:  # never past the model's own
         pooler = PoolerConfig(
             pooler.method, pooler.normalize, pooler.hidden_size, config.max_model_len, pooler.matryoshka_dims
         )

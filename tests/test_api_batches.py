@@ -325,7 +325,7 @@ def test_bad_requests_are_refused_and_create_nothing(api, tmp_path):
     t0 = server_now()
     cases = [
         (openai.BadRequestError, dict(endpoint="/v1/nope"), "endpoint", "/v1/chat/completions"),
-        (openai.BadRequestError, dict(endpoint="/v1/embeddings"), "endpoint", "embeddings are not served"),
+        (openai.BadRequestError, dict(endpoint="/v1/moderations"), "endpoint", "moderations are not served"),
         (openai.BadRequestError, dict(completion_window="2d"), "completion_window", "24h"),
         (openai.BadRequestError, dict(completion_window="169h"), "completion_window", "7 days"),
         (openai.BadRequestError, dict(metadata={f"k{i}": "v" for i in range(17)}), "metadata", "16"),

@@ -55,7 +55,7 @@ def line(custom_id="a", method="POST", url="/v1/chat/completions", body=None, **
         (line(custom_id=7), batch.MISSING_CUSTOM_ID, "got a number"),
         (line(custom_id="x" * 600), batch.MISSING_CUSTOM_ID, "limit is 512"),
         (line(method="GET"), batch.UNSUPPORTED_METHOD, 'got "GET"'),
-        (line(url="/v1/embeddings"), batch.UNSUPPORTED_URL, "embeddings are not served"),
+        (line(url="/v1/moderations"), batch.UNSUPPORTED_URL, "moderations are not served"),
         (line(url="/v1/images/generations"), batch.UNSUPPORTED_URL, '"/v1/images/generations"'),
         (line(url=None), batch.UNSUPPORTED_URL, "got null"),
         (line(body=[1]), batch.INVALID_BODY, "body must be a JSON object"),

@@ -55,7 +55,7 @@ def mixed_job_lines() -> tuple[list[str], dict[int, str], list[int]]:
         ("[1, 2, 3]", "invalid_line"),
         (json.dumps({k: v for k, v in req("x").items() if k != "custom_id"}), "missing_custom_id"),
         (json.dumps(req("chat-1")), "duplicate_custom_id"),
-        (json.dumps(req("bad-url", "/v1/embeddings", input="x")), "unsupported_url"),
+        (json.dumps(req("bad-url", "/v1/moderations", input="x")), "unsupported_url"),
         (json.dumps({**req("bad-method"), "method": "GET"}), "unsupported_method"),
         (json.dumps(req("neg-max", max_tokens=-3)), "invalid_body"),
         (json.dumps({**req("no-messages"), "body": {"messages": []}}), "invalid_body"),

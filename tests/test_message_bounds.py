@@ -61,7 +61,7 @@ def test_hand_written_batch_line_messages_never_touch_the_job(tiny_worker, tiny_
         "a line that is a string": {"line": "1"},
         "a custom_id too long": {"custom_id": huge},
         "a body that is no object": {"line": 3, "body": "hello"},
-        "an unsupported url": {"line": 3, "url": "/v1/embeddings"},
+        "an unsupported url": {"line": 3, "url": "/v1/moderations"},
         "a priority out of range": {"line": 3, "priority": 42},
     }
     ids = {}

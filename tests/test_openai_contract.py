@@ -207,11 +207,15 @@ def test_every_constraint_the_contract_gives_compiles_in_the_engine(tiny_model_d
     assert SamplingParams(**completion.sampling()).structured.kind == "choice"
 
 
-def test_embeddings_lines_say_they_are_not_served():
+def test_embeddings_lines_are_taken_and_moderations_say_they_are_not_served():
     out = parse_line(as_line({"model": "text-embedding-3-small", "input": "hi"}, "/v1/embeddings"), 4, set())
-    assert isinstance(out, LineError) and out.code == batch.UNSUPPORTED_URL and out.line == 4
-    assert out.message.startswith("embeddings are not served: Batchery runs generation models; supported: ")
-    assert batch.CHAT_URL in out.message and batch.RESPONSES_URL in out.message
+    assert not isinstance(out, LineError) and out.url == batch.EMBEDDINGS_URL and out.line == 4
+    bad = parse_line(as_line({"model": "text-embedding-3-small", "input": ""}, "/v1/embeddings"), 5, set())
+    assert isinstance(bad, LineError) and bad.code == batch.INVALID_BODY and "input[0] is an empty string" in bad.message
+    out = parse_line(as_line({"model": "omni-moderation-latest", "input": "hi"}, "/v1/moderations"), 6, set())
+    assert isinstance(out, LineError) and out.code == batch.UNSUPPORTED_URL and out.line == 6
+    assert out.message.startswith("moderations are not served: Batchery runs no moderation model; supported: ")
+    assert batch.CHAT_URL in out.message and batch.EMBEDDINGS_URL in out.message
 
 
 # -- the field policy, table-driven ------------------------------------------------------------------------
@@ -253,9 +257,9 @@ CHAT_IGNORED = {
     "parallel_tool_calls": False,
     "modalities": ["text"],
     "guided_decoding_backend": "xgrammar",
-    "guided_whitespace_pattern": " ",
 }
 CHAT_REFUSED = {  # field -> (value, words the message must have)
+    "guided_whitespace_pattern": (" ", "send structured_outputs.json_layout"),
     "stream": (True, "not supported"),
     "modalities": (["text", "audio"], 'only ["text"]'),
     "audio": ({"voice": "alloy", "format": "wav"}, "text models"),

@@ -7,9 +7,16 @@ from celery import Celery
 
 from batchery.broker.celery_app import make_celery
 from batchery.contract.errors import DeadlineExceeded, EngineCrash, InvalidRequest
-from batchery.contract.names import BATCH_LINE_TASK, BATCH_LINES_TASK, CHAT_TASK, COMPLETION_TASK, RESPONSES_TASK
+from batchery.contract.names import (
+    BATCH_LINE_TASK,
+    BATCH_LINES_TASK,
+    CHAT_TASK,
+    COMPLETION_TASK,
+    EMBEDDINGS_TASK,
+    RESPONSES_TASK,
+)
 from batchery.contract.settings import Settings
-from batchery.tasks import batch_line, batch_lines, chat
+from batchery.tasks import batch_line, batch_lines, chat, embeddings
 
 
 def make_app(settings: Settings | None = None) -> Celery:
@@ -28,6 +35,7 @@ def make_app(settings: Settings | None = None) -> Celery:
     app.task(name=CHAT_TASK, **common)(chat.chat_completion)
     app.task(name=COMPLETION_TASK, **common)(chat.completion)
     app.task(name=RESPONSES_TASK, **common)(chat.responses)
+    app.task(name=EMBEDDINGS_TASK, **common)(embeddings.embeddings)
     # a batch line's outcome is its record in the job (batchery.jobs.store), not a Celery result
     app.task(name=BATCH_LINE_TASK, **{**common, "throws": ()}, ignore_result=True)(batch_line.batch_line)
     app.task(name=BATCH_LINES_TASK, **{**common, "throws": ()}, ignore_result=True)(batch_lines.batch_lines)

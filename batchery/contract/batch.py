@@ -2,12 +2,13 @@
 
 Input line::
 
-    {"custom_id": str, "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" | "/v1/responses",
-     "body": {...}}
+    {"custom_id": str, "method": "POST",
+     "url": "/v1/chat/completions" | "/v1/completions" | "/v1/responses" | "/v1/embeddings", "body": {...}}
 
 Output line (one per request that ran)::
 
-    {"id", "custom_id", "response": {"status_code": 200, "request_id", "body": <ChatCompletion|Completion|Response>},
+    {"id", "custom_id", "response": {"status_code": 200, "request_id",
+                                     "body": <ChatCompletion|Completion|Response|EmbeddingResponse>},
      "error": null}
 
 Error line (a line refused while submitting, or a request the worker refused or could not finish)::
@@ -28,18 +29,20 @@ from pydantic import BaseModel, ValidationError
 
 from batchery.contract.responses import ResponsesRequest
 from batchery.contract.schemas import ChatCompletionRequest, CompletionRequest, describe_validation_error
+from batchery.contract.schemas.embeddings import EmbeddingRequest
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 RESPONSES_URL = "/v1/responses"
+EMBEDDINGS_URL = "/v1/embeddings"  # served by workers of an embedding model (a chat model's refuses each line)
 ENDPOINTS: dict[str, type[BaseModel]] = {
     CHAT_URL: ChatCompletionRequest,
     COMPLETIONS_URL: CompletionRequest,
     RESPONSES_URL: ResponsesRequest,
+    EMBEDDINGS_URL: EmbeddingRequest,
 }
 # OpenAI Batch endpoints that Batchery does not serve, with the reason the error gives
 NOT_SERVED: dict[str, str] = {
-    "/v1/embeddings": "embeddings are not served: Batchery runs generation models",
     "/v1/moderations": "moderations are not served: Batchery runs no moderation model",
 }
 LINE_KEYS = frozenset({"custom_id", "method", "url", "body"})

@@ -27,13 +27,16 @@ class LogprobEntry(TypedDict):
 
 @dataclass
 class GenerationRequest:
-    """What a task asks for. Exactly one of ``messages``, ``prompt``, ``prompt_token_ids``."""
+    """What a task asks for. Exactly one of ``messages``, ``prompt``, ``prompt_token_ids``, ``inputs``."""
 
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None  # OpenAI function tools, rendered with the messages by the chat template
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs; max_tokens None -> fill the context
+    # an embeddings request's inputs (texts, or token-id lists), for a worker of a pooling model
+    inputs: list[str] | list[list[int]] | None = None
+    pooling: dict[str, Any] = field(default_factory=dict)  # PoolingParams kwargs (dimensions, truncate_prompt_tokens)
     priority: int = 0
     solo: bool = False  # quarantined: run alone, in engine steps of its own (one such request at a time)
     exclusive: bool = False  # with solo: nothing else in the engine while it runs (suspected of killing its process)
@@ -66,3 +69,4 @@ class GenerationResult:
     added_at: float
     finished_at: float
     choices: list[GenerationChoice] = field(default_factory=list)  # all n choices, by index (choice 0 first)
+    embeddings: list[list[float]] | None = None  # an embeddings request's vectors, one per input, in input order

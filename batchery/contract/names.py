@@ -12,9 +12,10 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 CHAT_TASK = "batchery.chat_completion"
 COMPLETION_TASK = "batchery.completion"
 RESPONSES_TASK = "batchery.responses"  # OpenAI Responses API bodies (/v1/responses)
+EMBEDDINGS_TASK = "batchery.embeddings"  # OpenAI Embeddings bodies (/v1/embeddings), for a worker of a pooling model
 BATCH_LINE_TASK = "batchery.batch_line"
 BATCH_LINES_TASK = "batchery.batch_lines"  # a chunk of a batch job's lines in one message
-TASK_NAMES = (CHAT_TASK, COMPLETION_TASK, RESPONSES_TASK, BATCH_LINE_TASK, BATCH_LINES_TASK)
+TASK_NAMES = (CHAT_TASK, COMPLETION_TASK, RESPONSES_TASK, EMBEDDINGS_TASK, BATCH_LINE_TASK, BATCH_LINES_TASK)
 
 QUEUE_PREFIX = "batchery."  # the default queue of a model is QUEUE_PREFIX + its name
 ENQUEUED_AT_HEADER = "batchery_enqueued_at"  # message header: the publisher's time.time() at enqueue

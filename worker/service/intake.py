@@ -15,6 +15,7 @@ from batchery.contract.generation import GenerationChoice, GenerationRequest, Ge
 
 if TYPE_CHECKING:
     from batchery.engine.llm_engine import LLMEngine
+    from batchery.engine.pooling import PoolingParams
     from batchery.engine.sampling import SamplingParams
     from batchery.engine.sequence import RequestOutput
 
@@ -71,10 +72,25 @@ class Pending:
         return self.text
 
     def result(self, out: RequestOutput, render: LogprobRender, finished_at: float) -> GenerationResult:
-        """The result of this request from the engine's output for it: its ``n`` choices
+        """The result of this request from the engine's output for it: a pooling engine's vectors
+        (``PoolingRequestOutput``), or its ``n`` choices
         (``out.outputs``; an engine output without them is its one choice), each choice's logprobs
         rendered by ``render``. The result's own fields are choice 0's."""
         outputs: Sequence[Any] = getattr(out, "outputs", None) or [out]  # by index
+        if self.request.inputs is not None:  # a pooling engine's output: one vector per input
+            return GenerationResult(
+                request_id=out.request_id,
+                text="",
+                token_ids=[],
+                finish_reason="stop",
+                num_prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+                num_cached_tokens=0,
+                logprobs=None,
+                submitted_at=self.submitted_at,
+                added_at=self.added_at,
+                finished_at=finished_at,
+                embeddings=[list(o.embedding) for o in outputs],
+            )
         choices = [
             GenerationChoice(
                 index=int(getattr(c, "index", i)),
@@ -105,16 +121,23 @@ class Pending:
 class EngineInput:
     """A request as the engine takes it."""
 
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    prompt_token_ids: list[int] | list[list[int]]  # a list of token-id lists: an embeddings request's inputs
+    params: SamplingParams | PoolingParams
 
 
 def engine_input(engine: LLMEngine, req: GenerationRequest) -> EngineInput | InvalidRequest:
     """Tokenize the request and build its ``SamplingParams`` (``max_tokens`` None fills the
-    context). A request the template, the tokenizer or ``SamplingParams`` refuses gets its error
-    back, returned rather than raised: it goes onto the request's future as it is."""
+    context), or, for an embeddings request, its inputs and ``PoolingParams``. A request the template,
+    the tokenizer or ``SamplingParams`` refuses gets its error back, returned rather than raised: it goes
+    onto the request's future as it is; so does a request of the other kind than the model's (a chat
+    request sent to an embedding model's worker, or an embeddings request to a chat model's)."""
     from batchery.engine.sampling import SamplingParams
 
+    pooling = bool(getattr(engine, "is_pooling", False))
+    if pooling != (req.inputs is not None):
+        return InvalidRequest(kind_mismatch(str(engine.config.model), pooling))
+    if req.inputs is not None:
+        return _pooling_input(engine, req.inputs, req.pooling)
     try:
         if req.messages is not None:
             ids = engine.encode_chat(req.messages, req.tools)
@@ -134,11 +157,40 @@ def engine_input(engine: LLMEngine, req: GenerationRequest) -> EngineInput | Inv
         return request_error(exc)
 
 
+def kind_mismatch(model: str, pooling: bool) -> str:
+    """Why a request of the other kind than the worker's model is refused (a 400 naming the model's kind)."""
+    if pooling:
+        return (
+            f"this worker serves {model}, an embedding model: it takes /v1/embeddings requests only "
+            "(chat, completions and responses need a worker of a generative model)"
+        )
+    return (
+        f"this worker serves {model}, a generative model: /v1/embeddings needs a worker of an embedding model "
+        "(e.g. BATCHERY_MODEL=all-minilm-l6-v2)"
+    )
+
+
+def _pooling_input(
+    engine: LLMEngine, inputs: list[str] | list[list[int]], pooling: dict
+) -> EngineInput | InvalidRequest:
+    from batchery.engine.pooling import PoolingParams
+
+    try:
+        ids = [engine.encode(t) if isinstance(t, str) else list(t) for t in inputs]
+    except Exception as exc:  # noqa: BLE001 - a tokenizer error is the request's fault
+        return InvalidRequest(f"could not tokenize the request: {exc}")
+    try:
+        return EngineInput(ids, PoolingParams(**pooling))
+    except (ValueError, TypeError) as exc:
+        return request_error(exc)
+
+
 def request_error(exc: ValueError | TypeError) -> InvalidRequest:
     """What the task gets for a request the engine (or ``SamplingParams``) refused."""
     from batchery.engine.llm_engine import PromptTooLong
+    from batchery.engine.pooling_engine import InputTooLong
 
-    kind = ContextLengthExceeded if isinstance(exc, PromptTooLong) else InvalidRequest
+    kind = ContextLengthExceeded if isinstance(exc, (PromptTooLong, InputTooLong)) else InvalidRequest
     return kind(str(exc))
 
 

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from batchery.contract.errors import EngineFailure, InvalidRequest
 from batchery.worker.service.admission import Lanes
@@ -190,9 +190,10 @@ class EngineLoop:
             return False
         p.added_at = time.time()
         try:
-            engine.add_request(
-                p.request_id, inp.prompt_token_ids, inp.params, priority=p.request.priority, isolated=p.request.solo
-            )
+            # an embeddings request's token-id lists and PoolingParams reach a PoolingEngine (engine_input matched them)
+            ids: Any = inp.prompt_token_ids
+            params: Any = inp.params
+            engine.add_request(p.request_id, ids, params, priority=p.request.priority, isolated=p.request.solo)
         except (ValueError, TypeError) as exc:
             self.reject(p, request_error(exc))
             return False

@@ -25,7 +25,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from batchery.contract.errors import EngineUnavailable
 from batchery.worker.service.loop import EngineLoop
@@ -103,11 +103,17 @@ class Supervisor:
 
     # -- engine construction -----------------------------------------------------------------------
     def build(self, loaded: LoadedModel | None) -> LLMEngine:
+        from batchery.engine.encoder_runner import is_pooling_model
         from batchery.engine.llm_engine import LLMEngine  # heavy; only the worker process pays for it
+        from batchery.engine.pooling_engine import PoolingEngine
 
         config = self.shared.config
         if config is None:
             raise ValueError("the engine service has no engine config to build an engine from")
+        if is_pooling_model(config.model):
+            # an embedding model: a PoolingEngine offers the part of LLMEngine's surface the service uses
+            # (add_request, abort, step, has_unfinished, stats, requests, on_step_start, loaded, encode)
+            return cast("LLMEngine", PoolingEngine(config, loaded=cast("Any", loaded)))
         num_kv_blocks = self.shared.stats.num_kv_blocks
         if num_kv_blocks and config.num_kv_blocks is None:
             # a rebuild gets the pool size the first engine had, rather than one re-derived from
