@@ -7,7 +7,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from batchery.broker.connection import redis_from_url
-from batchery.jobs.store import JobStore, JobWatch
+from batchery.jobs.store import JobStore
+from batchery.jobs.watch import JobWatch
 
 T = TypeVar("T")
 

@@ -17,7 +17,8 @@ import pytest
 from conftest import REPO, free_port, wait_for
 
 from batchery.broker.connection import redis_from_url
-from batchery.jobs.store import JobStore, JobWatch
+from batchery.jobs.store import JobStore
+from batchery.jobs.watch import JobWatch
 
 pytestmark = [
     pytest.mark.integration,  # a private redis-server, paused

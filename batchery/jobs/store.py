@@ -65,8 +65,6 @@ import json
 import logging
 import math
 import random
-import threading
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -74,6 +72,8 @@ from batchery.contract.batch import BATCH_EXPIRED, error_record
 from batchery.contract.errors import InvalidRequest
 from batchery.contract.schemas import TERMINAL_STATUSES, BatchJob
 from batchery.jobs import lua
+from batchery.jobs.job_hash import as_text as _s
+from batchery.jobs.job_hash import parse_job_or_none
 
 log = logging.getLogger("batchery.jobs")
 
@@ -90,21 +90,6 @@ MAX_WINDOW_S = 30 * 86400.0  # the longest completion window a job may have
 DRAIN_AT = 4096  # records a running job keeps in Redis before the drainers move them to the file store
 EXPIRED_MESSAGE = "the batch's completion window ended before this line started"
 
-_FLOAT_FIELDS = (
-    "created_at",
-    "started_at",
-    "in_progress_at",
-    "finalizing_at",
-    "completed_at",
-    "failed_at",
-    "cancelling_at",
-    "cancelled_at",
-    "expired_at",
-    "expires_at",
-    "window_s",
-    "window_ends_at",
-)
-
 
 class JobNotFound(KeyError):
     """No such batch job (never created, or expired)."""
@@ -120,10 +105,6 @@ class JobMalformed(JobNotFound):
 
 def new_job_id() -> str:
     return f"batch_{uuid.uuid4().hex}"
-
-
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def _line_key(line: int) -> str:
@@ -546,7 +527,7 @@ class JobStore:
         raw = self.r.hgetall(self.key(job_id))
         if not raw:
             raise _gone(job_id)
-        job = self._parse_or_none(raw)
+        job = parse_job_or_none(raw)
         if job is None:
             raise self._malformed(job_id)
         if repair and not job.is_terminal and self._repair(job_id, job, raw):
@@ -593,42 +574,6 @@ class JobStore:
             f"ran?); it is not a job any more, and its keys expire within {self.ttl} s"
         )
 
-    @classmethod
-    def _parse_or_none(cls, raw: dict) -> BatchJob | None:
-        try:
-            return cls._parse(raw)
-        except (KeyError, ValueError):  # pydantic's ValidationError is a ValueError
-            return None
-
-    @staticmethod
-    def _parse(raw: dict) -> BatchJob:
-        d = {_s(k): _s(v) for k, v in raw.items()}
-        num = lambda f: int(d.get(f) or 0)  # noqa: E731
-        out = {
-            "id": d["id"],
-            "status": d["status"],
-            "queue": d.get("queue", ""),
-            "model": d.get("model") or None,
-            "input_file": d.get("input_file") or None,
-            "request_counts": {"total": num("total"), "completed": num("completed"), "failed": num("failed")},
-            "usage": {
-                "prompt_tokens": num("prompt_tokens"),
-                "completion_tokens": num("completion_tokens"),
-                "total_tokens": num("prompt_tokens") + num("completion_tokens"),
-                # of the prompt tokens, those the engines' prefix caches served (the records' cached_tokens, summed)
-                "prompt_tokens_details": {"cached_tokens": num("cached_tokens")},
-            },
-            "metadata": json.loads(d.get("metadata") or "{}"),
-            "errors": json.loads(d.get("errors") or "[]"),
-            "timeout": float(d["timeout"]) if d.get("timeout") else None,
-            "priority": num("priority"),
-            "expired_lines": num("expired_lines"),
-        }
-        for f in _FLOAT_FIELDS:
-            if d.get(f):
-                out[f] = float(d[f])
-        return BatchJob.model_validate(out)
-
     def max_line(self, job_id: str) -> int:
         status, v = self.r.hmget(self.key(job_id), ["status", "max_line"])
         if status is None:
@@ -661,7 +606,7 @@ class JobStore:
             raws = p.execute()
         jobs, gone = [], []
         for j, raw in zip(ids, raws):
-            job = self._parse_or_none(raw) if raw else None
+            job = parse_job_or_none(raw) if raw else None
             if job is not None:
                 jobs.append(job)
                 continue
@@ -681,85 +626,8 @@ class JobStore:
             p.execute()
 
 
-class JobWatch:
-    """Worker side: "should this job's lines stop?" (cancelled, failed or gone), answered at once from a per-job
-    cache. A background thread refreshes the cache every ``interval`` seconds with one pipelined read for every
-    job asked about in the last ``forget_s``, so hundreds of waiting task threads cost one round trip per
-    interval, and a paused or unreachable Redis never blocks a task thread: the last known answer holds
-    (a job not known yet counts as running), and the request's own deadline still fires on time."""
-
-    def __init__(self, store: JobStore, interval: float = 0.5, forget_s: float = 60.0) -> None:
-        self.store = store
-        self.interval = interval
-        self.forget_s = forget_s
-        self._lock = threading.Lock()
-        self._status: dict[str, str | None] = {}  # job -> last status read (None: no such job)
-        self._asked: dict[str, float] = {}  # job -> when it was last asked about (monotonic)
-        self._wake = threading.Event()
-        self._closed = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._failing = False
-
-    def stopped(self, job_id: str) -> bool:
-        """Whether the job's lines must stop, as last read (never waits on Redis)."""
-        with self._lock:
-            self._asked[job_id] = time.monotonic()
-            known = job_id in self._status
-            status = self._status.get(job_id)
-            if self._thread is None and not self._closed.is_set():
-                self._thread = threading.Thread(target=self._run, name="batchery-job-watch", daemon=True)
-                self._thread.start()
-        if not known:
-            self._wake.set()  # a job seen for the first time: read it now, not at the next tick
-            return False
-        return status is None or status in STOPPED_STATUSES
-
-    def known(self, job_id: str) -> bool:
-        """Whether the job's status has been read at least once."""
-        with self._lock:
-            return job_id in self._status
-
-    def close(self) -> None:
-        """Stop the refresh thread (tests; a worker's watch lives as long as the process)."""
-        self._closed.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(1.0)
-
-    def _run(self) -> None:
-        while not self._closed.is_set():
-            self._wake.wait(self.interval)
-            self._wake.clear()
-            if self._closed.is_set():
-                return
-            now = time.monotonic()
-            with self._lock:
-                for job, asked in list(self._asked.items()):
-                    if now - asked > self.forget_s:
-                        del self._asked[job]
-                        self._status.pop(job, None)
-                jobs = list(self._asked)
-            if not jobs:
-                continue
-            try:
-                statuses = self.store.get_statuses(jobs)
-            except Exception as exc:  # noqa: BLE001 - Redis hiccup: the last answers hold; the deadlines still do
-                if not self._failing:
-                    log.warning("cannot read batch job statuses (%s); cancel checks use the last known state", exc)
-                    self._failing = True
-                continue
-            if self._failing:
-                log.warning("batch job statuses readable again")
-                self._failing = False
-            with self._lock:
-                for job, status in zip(jobs, statuses):
-                    if job in self._asked:
-                        self._status[job] = status
-
-
 __all__ = [
     "JobStore",
-    "JobWatch",
     "JobNotFound",
     "JobMalformed",
     "new_job_id",
