@@ -1,4 +1,4 @@
-"""``POST /v1/chat/completions``, ``/v1/completions`` and ``/v1/responses``, answered synchronously
+"""``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` and ``/v1/embeddings``, answered synchronously
 through the queue: the body is validated with the contract's models (a 400 naming the field, as a batch
 line's error does), sent as the Celery task a worker runs (``batchery.client.Client``), and the worker's
 answer is the response body. Waiting never blocks the event loop: the result is polled from a thread.
@@ -57,7 +57,12 @@ from batchery.contract.errors import (
     TaskExpired,
 )
 from batchery.contract.responses import ResponsesRequest
-from batchery.contract.schemas import ChatCompletionRequest, CompletionRequest, describe_validation_error
+from batchery.contract.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    describe_validation_error,
+)
 from batchery.contract.settings import Settings, mask_url, queue_for_model
 
 log = logging.getLogger("batchery.api.inference")
@@ -228,6 +233,8 @@ ENDPOINTS: dict[str, Endpoint] = {
     "/v1/responses": Endpoint(
         ResponsesRequest, lambda c, body, t, e: c.responses(**body, timeout=t, expires=e), "input"
     ),
+    # served by workers of an embedding model; a chat model's worker answers 400, naming its kind
+    "/v1/embeddings": Endpoint(EmbeddingRequest, lambda c, body, t, e: c.embed(**body, timeout=t, expires=e), "input"),
 }
 
 
@@ -355,3 +362,8 @@ async def completions(request: Request, _: Tenant = Depends(tenant)) -> JSONResp
 @router.post("/responses")
 async def responses(request: Request, _: Tenant = Depends(tenant)) -> JSONResponse:
     return await answer(request, "/v1/responses")
+
+
+@router.post("/embeddings")
+async def embeddings(request: Request, _: Tenant = Depends(tenant)) -> JSONResponse:
+    return await answer(request, "/v1/embeddings")
