@@ -186,9 +186,11 @@ class PoolingEngine:
     def stats(self) -> dict[str, int | float]:
         """Counters of the engine: ``LLMEngine.stats()``'s keys (the worker's metrics read them), those of the KV
         cache and decoding at zero, and the pooled inputs."""
-        zero = ("kv_blocks_total", "kv_blocks_free", "prefix_cache_hit_tokens", "prefix_cache_query_tokens")
-        zero += ("num_preemptions", "num_oom", "cuda_graph_steps", "num_async_steps", "num_async_drains")
-        zero += ("num_forked_choices", "num_prefix_waits", "grammar_compiled", "grammar_cache_hits")
+        zero = [
+            *("kv_blocks_total", "kv_blocks_free", "prefix_cache_hit_tokens", "prefix_cache_query_tokens"),
+            *("num_preemptions", "num_oom", "cuda_graph_steps", "num_async_steps", "num_async_drains"),
+            *("num_forked_choices", "num_prefix_waits", "grammar_compiled", "grammar_cache_hits"),
+        ]
         steps = max(self.num_steps, 1)
         return {
             **dict.fromkeys(zero, 0),

@@ -211,7 +211,8 @@ def test_embeddings_lines_are_taken_and_moderations_say_they_are_not_served():
     out = parse_line(as_line({"model": "text-embedding-3-small", "input": "hi"}, "/v1/embeddings"), 4, set())
     assert not isinstance(out, LineError) and out.url == batch.EMBEDDINGS_URL and out.line == 4
     bad = parse_line(as_line({"model": "text-embedding-3-small", "input": ""}, "/v1/embeddings"), 5, set())
-    assert isinstance(bad, LineError) and bad.code == batch.INVALID_BODY and "input[0] is an empty string" in bad.message
+    assert isinstance(bad, LineError) and bad.code == batch.INVALID_BODY
+    assert "input[0] is an empty string" in bad.message
     out = parse_line(as_line({"model": "omni-moderation-latest", "input": "hi"}, "/v1/moderations"), 6, set())
     assert isinstance(out, LineError) and out.code == batch.UNSUPPORTED_URL and out.line == 6
     assert out.message.startswith("moderations are not served: Batchery runs no moderation model; supported: ")
