@@ -67,6 +67,8 @@ class Pending:
                 self.text = "\n".join(str(m.get("content") or "") for m in req.messages)
             elif req.prompt is not None:
                 self.text = req.prompt
+            elif req.inputs is not None and all(isinstance(t, str) for t in req.inputs):
+                self.text = "\n".join(str(t) for t in req.inputs)  # an embeddings request's texts
             else:
                 return None
         return self.text
