@@ -807,7 +807,7 @@ class Chaos:
         return row
 
     @staticmethod
-    def after_fault(worker: Worker, fault: str, success: str = r"batch_line\[\S+\] succeeded") -> float | None:
+    def after_fault(worker: Worker, fault: str, success: str = r"batch_lines?\[\S+\] succeeded") -> float | None:
         """The longest time from a log line matching ``fault`` to the next line finished."""
         text = worker.log()
         faults, oks = log_times(text, fault), log_times(text, success)
@@ -1324,7 +1324,7 @@ class Chaos:
                 return Path(m.group(1)).read_text(errors="replace") if m and Path(m.group(1)).exists() else ""
 
             wait_until(
-                lambda: proc.poll() is not None or re.search(r"batch_line\[\S+\] succeeded", worker_log()),
+                lambda: proc.poll() is not None or re.search(r"batch_lines?\[\S+\] succeeded", worker_log()),
                 300,
                 "the embedded worker to finish its first lines",
                 0.1,
