@@ -21,6 +21,7 @@ this venv: that is how the figures of an older tree are measured in the same run
     .venv/bin/python benchmarks/big_job.py --lines 3000 --offline                # per-line cost vs the engine
     .venv/bin/python benchmarks/big_job.py --lines 100000,1000000 --maxmemory 64mb
     .venv/bin/python benchmarks/big_job.py --lines 20000 --tree /tmp/old         # an older tree, same machine
+    .venv/bin/python benchmarks/big_job.py --lines 100000 --fault kill-holder    # exactly once through a fault
 """
 
 from __future__ import annotations
@@ -79,24 +80,39 @@ def write_input(path: Path, n: int, prefix: str = "req", seed: int = 0) -> int:
 class Redis:
     """A private ``redis-server``: no persistence, ``noeviction``, optionally a ``maxmemory``."""
 
-    def __init__(self, workdir: Path, maxmemory: str | None) -> None:
+    def __init__(self, workdir: Path, maxmemory: str | None, aof: bool = False) -> None:
         import redis
 
         self.port = free_port()
-        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        args += ["--maxmemory-policy", "noeviction", "--dir", str(workdir)]
+        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        args += ["--appendonly", "yes" if aof else "no", "--maxmemory-policy", "noeviction", "--dir", str(workdir)]
         if maxmemory:
             args += ["--maxmemory", maxmemory]
+        self.args = args
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.r = redis.Redis.from_url(self.url)
-        for _ in range(100):
-            try:
-                self.r.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
+        self.wait_ready()
         self.baseline = self.used()
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        import redis
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.r.ping():
+                    return
+            except (redis.ConnectionError, redis.BusyLoadingError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def restart(self) -> None:
+        """Stop it (SIGTERM: the AOF is flushed) and start it again on the same port and files."""
+        self.stop()
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        self.wait_ready()
 
     def used(self) -> int:
         return int(self.r.info("memory")["used_memory"])
@@ -154,9 +170,11 @@ def run_cli(args: list[str], env: dict, cwd: Path) -> tuple[int, str, str, int]:
         return proc.returncode, out.read().decode(), err.read().decode(), usage.ru_maxrss * 1024
 
 
-def start_workers(n: int, env: dict, cwd: Path, logdir: Path, timeout: float = 300.0) -> list[subprocess.Popen]:
+def start_workers(
+    n: int, env: dict, cwd: Path, logdir: Path, timeout: float = 300.0, first: int = 0
+) -> list[subprocess.Popen]:
     procs, logs = [], []
-    for i in range(n):
+    for i in range(first, first + n):
         log = logdir / f"worker{i}.log"
         wenv = dict(env, BATCHERY_HEALTH_PORT=str(free_port()), BATCHERY_WORKER_ID=f"bigjob{i}")
         with open(log, "wb") as f:
@@ -211,8 +229,72 @@ def check_records(out: Path, prefix: str, n: int) -> tuple[int, int, int]:
     return sum(seen.values()), lost, dup
 
 
+class Fault:
+    """One fault mid-job (``--fault``), once ``--fault-at`` of the lines are recorded: ``kill-worker`` SIGKILLs a
+    worker that does not feed the job, ``kill-holder`` the worker that feeds it (the holder of its feeder lease,
+    found by its log line; the job must still be fed then), ``redis-restart`` restarts Redis (with AOF). A killed
+    worker is replaced by a new one, as an orchestrator would."""
+
+    def __init__(self, args, n: int, red: Redis, workers: list, env: dict, tree: Path, workdir: Path) -> None:
+        self.kind, self.at = args.fault, args.fault_at * n * args.jobs
+        self.red, self.workers, self.env, self.tree, self.workdir = red, workers, env, tree, workdir
+        self.done_at: float | None = None
+        self.recovery_s: float | None = None
+        self.note = ""
+        self._replacement: threading.Thread | None = None
+
+    def check(self, counts: dict) -> None:
+        if self.done_at is not None or sum(d for _t, d, _s in counts.values()) < self.at:
+            return
+        self.done_at = time.monotonic()
+        recorded = sum(d for _t, d, _s in counts.values())
+        if self.kind == "redis-restart":
+            t = time.monotonic()
+            self.red.restart()
+            self.note = f"Redis restarted at {recorded:,} records ({time.monotonic() - t:.1f} s down)"
+            return
+        feeding = [i for i, _ in enumerate(self.workers) if "feeding it on from the store" in self._log(i)]
+        if self.kind == "kill-holder":
+            if not feeding or all(s != "validating" for _t, _d, s in counts.values()):
+                self.note = "no feeder to kill: the job was fed already"
+                return
+            victim = feeding[-1]
+        else:
+            others = [i for i, p in enumerate(self.workers) if i not in feeding and p.poll() is None]
+            victim = others[0] if others else 0
+        self.workers[victim].send_signal(signal.SIGKILL)
+        self.workers[victim].wait(10)
+        self.note = f"worker{victim} SIGKILLed at {recorded:,} records" + (
+            " (it held the feeder lease)" if victim in feeding else ""
+        )
+        first = len(self.workers)
+
+        def replace() -> None:
+            self.workers.extend(start_workers(1, self.env, self.tree, self.workdir, first=first))
+
+        self._replacement = threading.Thread(target=replace, daemon=True)
+        self._replacement.start()
+
+    def _log(self, i: int) -> str:
+        try:
+            return (self.workdir / f"worker{i}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def join(self) -> None:
+        if self._replacement is not None:
+            self._replacement.join(300)
+
+    def report(self, t0: float, outcomes: dict) -> str:
+        if self.done_at is None:
+            return f"{self.kind}: never triggered"
+        end = max(o["done_s"] for o in outcomes.values() if isinstance(o, dict) and "done_s" in o)
+        self.recovery_s = t0 + end - self.done_at
+        return f"{self.note}, {self.done_at - t0:.1f} s in; the last output file {self.recovery_s:.1f} s later"
+
+
 def run_jobs(args, n: int, model: Path, workdir: Path, tree: Path) -> dict:
-    red = Redis(workdir, args.maxmemory)
+    red = Redis(workdir, args.maxmemory, aof=args.fault == "redis-restart")
     queue = f"bigjob-{os.getpid()}"
     store = workdir / "store"
     store.mkdir(exist_ok=True)
@@ -274,8 +356,11 @@ def run_jobs(args, n: int, model: Path, workdir: Path, tree: Path) -> dict:
             t.start()
             threads.append(t)
         last_curve = 0.0
+        fault = Fault(args, n, red, workers, env, tree, workdir) if args.fault else None
         while any(t.is_alive() for t in threads):
             time.sleep(0.5)
+            if fault is not None and sampler.samples:
+                fault.check(sampler.samples[-1][2])
             if args.curve and sampler.samples and time.monotonic() - last_curve >= args.curve:
                 last_curve = time.monotonic()
                 at, used, counts = sampler.samples[-1]
@@ -290,6 +375,10 @@ def run_jobs(args, n: int, model: Path, workdir: Path, tree: Path) -> dict:
             if isinstance(o, str):
                 raise SystemExit(f"job {prefix}: {o}")
         result.update(wall=wall, peak_above=sampler.peak - red.baseline, rss=rss, outcomes=outcomes)
+        if fault is not None:
+            fault.join()
+            result["fault"] = fault.report(t0, outcomes)
+            result["fault_recovery_s"] = fault.recovery_s
         if not args.no_workers:
             checks = {}
             for _path, _, prefix in inputs:
@@ -338,6 +427,11 @@ def main() -> int:
     ap.add_argument("--curve", type=float, default=0.0, metavar="S", help="print progress every S seconds")
     ap.add_argument("--tree", default=str(REPO), help="run the CLI and the workers from this checkout")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument(
+        "--fault", choices=("kill-worker", "kill-holder", "redis-restart"), help="one fault mid-job (see Fault)"
+    )
+    ap.add_argument("--json", action="store_true", help="also print each size's figures as a JSON line")
+    ap.add_argument("--fault-at", type=float, default=0.3, metavar="F", help="when F of the lines are recorded")
     args = ap.parse_args()
     tree = Path(args.tree).resolve()
     workdir = Path(tempfile.mkdtemp(prefix="bigjob-"))
@@ -365,7 +459,12 @@ def main() -> int:
                 print(f"end to end: {r['wall']:.1f} s, {r['lines_per_s']:.0f} lines/s (submit to last output file)")
                 for prefix, (num, lost, dup) in r["checks"].items():
                     print(f"job {prefix}: {num} records, lost {lost}, duplicated {dup}, in input order")
+            if "fault" in r:
+                print(f"fault: {r['fault']}")
             print("peak RSS: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in r["rss"].items()))
+            if args.json:
+                keep = ("lines", "jobs", "wall", "peak_above", "checks", "fault", "fault_recovery_s", "lines_per_s")
+                print("JSON " + json.dumps({k: r[k] for k in keep if k in r}), flush=True)
             if args.offline:
                 rate = offline(n, model, workdir, tree)
                 print(f"offline engine (LLM.chat): {rate:.0f} lines/s", end="")

@@ -189,6 +189,7 @@ class Sizes:
     recovery_interval: float = 5.0  # 18: BATCHERY_RECOVERY_INTERVAL of the worker
     pause_requests: int = 200  # 19: lines of the job whose Redis is paused
     pause_s: float = 30.0  # 19: how long Redis is SIGSTOPped
+    big_lines: int = 100_000  # 20-22 (opt-in: --only big-*): a big job (benchmarks/big_job.py) through one fault
 
     @classmethod
     def fast(cls) -> Sizes:
@@ -218,6 +219,7 @@ class Sizes:
             recovery_interval=2.0,
             pause_requests=48,
             pause_s=12.0,
+            big_lines=6000,
         )
 
     @property
@@ -1462,6 +1464,36 @@ class Chaos:
         worker.stop()
         return row
 
+    def _big_job(self, fault: str, title: str) -> Row:
+        """A ``big_lines`` job from a file (the input in the store, fed window by window, chunks), two workers on a
+        private Redis, through one fault at 30% of its records: ``benchmarks/big_job.py --fault``, which checks the
+        output file against the input (every line once, in input order)."""
+        n = self.sizes.big_lines
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHERY_")}
+        env.update(BATCHERY_CPU_KERNELS="0", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+        cmd = [sys.executable, str(REPO / "benchmarks" / "big_job.py"), "--lines", str(n), "--fault", fault, "--json"]
+        self.say(f"big job: {' '.join(cmd[1:])}")
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=max(1800.0, n / 50))
+        doc = next((json.loads(x[5:]) for x in p.stdout.splitlines() if x.startswith("JSON ")), None)
+        if p.returncode != 0 or doc is None:
+            tail = (p.stdout + p.stderr)[-1500:]
+            return Row(title, n, 0, 0, 0, 0, None, 0, [f"big_job.py exited {p.returncode}: {tail}"])
+        num, lost, dup = doc["checks"]["j0"]
+        row = Row(title, n, num - dup, 0, lost, dup, doc.get("fault_recovery_s"), 0, [])
+        row.checks = {"the fault happened mid-job": "never" not in doc["fault"] and "no feeder" not in doc["fault"]}
+        row.notes = f"{doc['fault']}; Redis peak +{doc['peak_above'] / 1e6:.1f} MB; {doc['lines_per_s']:.0f} lines/s"
+        self.say(f"{title}: {'ok' if row.ok else 'NOT OK'} {row.cells()} checks={row.checks} {row.notes}")
+        return row
+
+    def big_kill_worker(self) -> Row:
+        return self._big_job("kill-worker", f"20. a {self.sizes.big_lines:,}-line job: a worker SIGKILLed")
+
+    def big_kill_holder(self) -> Row:
+        return self._big_job("kill-holder", f"21. a {self.sizes.big_lines:,}-line job: its feeder's worker SIGKILLed")
+
+    def big_redis_restart(self) -> Row:
+        return self._big_job("redis-restart", f"22. a {self.sizes.big_lines:,}-line job: Redis (AOF) restarted")
+
     def _sentinel(self, name: str, lag_s: float) -> Row:
         s = self.sizes
         group = PrivateSentinelGroup(self.workdir / f"sentinel-{len(self.redises)}").start(relay=lag_s > 0)
@@ -1752,6 +1784,12 @@ SCENARIOS = {
     "lost-unwatched": Chaos.lost_lines_unwatched,
     "redis-pause": Chaos.redis_paused,
 }
+# Big jobs through a fault (issue 37's exactly-once rows): minutes each, so only when asked for (--only big-...).
+BIG_SCENARIOS = {
+    "big-kill-worker": Chaos.big_kill_worker,
+    "big-kill-holder": Chaos.big_kill_holder,
+    "big-redis-restart": Chaos.big_redis_restart,
+}
 
 
 def machine() -> str:
@@ -1776,16 +1814,20 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("BATCHERY_BENCH_REDIS", "redis://127.0.0.1:6379/12"),
         help="Redis for the scenarios but the restart one (its own database; default db 12)",
     )
-    ap.add_argument("--only", default="", help=f"comma list of scenarios: {', '.join(SCENARIOS)}")
+    ap.add_argument(
+        "--only",
+        default="",
+        help=f"comma list of scenarios: {', '.join(SCENARIOS)} (all by default); opt-in: {', '.join(BIG_SCENARIOS)}",
+    )
     ap.add_argument("--fast", action="store_true", help="the small sizes the tests use")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--json", action="store_true", help="also print the rows as JSON")
     args = ap.parse_args(argv)
 
     names = [n.strip() for n in args.only.split(",") if n.strip()] or list(SCENARIOS)
-    unknown = [n for n in names if n not in SCENARIOS]
+    unknown = [n for n in names if n not in SCENARIOS and n not in BIG_SCENARIOS]
     if unknown:
-        ap.error(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
+        ap.error(f"unknown scenario(s) {unknown}; known: {', '.join([*SCENARIOS, *BIG_SCENARIOS])}")
     sizes = Sizes.fast() if args.fast else Sizes()
     workdir = Path(tempfile.mkdtemp(prefix="batchery-chaos-"))
     model, kv = args.model, None
@@ -1803,7 +1845,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in names:
             try:
-                rows.append(SCENARIOS[name](chaos))
+                rows.append({**SCENARIOS, **BIG_SCENARIOS}[name](chaos))
             except Exception as exc:  # noqa: BLE001 - one broken scenario must not hide the others
                 chaos.say(f"{name}: {type(exc).__name__}: {exc}")
                 rows.append(Row(name, 0, 0, 0, 0, 0, None, 0, [f"{type(exc).__name__}: {exc}"]))
