@@ -231,9 +231,9 @@ def check_records(out: Path, prefix: str, n: int) -> tuple[int, int, int]:
 
 class Fault:
     """One fault mid-job (``--fault``), once ``--fault-at`` of the lines are recorded: ``kill-worker`` SIGKILLs a
-    worker that does not feed the job, ``kill-holder`` the worker that feeds it (the holder of its feeder lease,
-    found by its log line; the job must still be fed then), ``redis-restart`` restarts Redis (with AOF). A killed
-    worker is replaced by a new one, as an orchestrator would."""
+    worker that does not feed the job, ``kill-holder`` the worker that feeds it (the holder of its feeder lease: the
+    last to log that it took the job's submission over; the job must still be fed then), ``redis-restart`` restarts
+    Redis (with AOF). A killed worker is replaced by a new one, as an orchestrator would."""
 
     def __init__(self, args, n: int, red: Redis, workers: list, env: dict, tree: Path, workdir: Path) -> None:
         self.kind, self.at = args.fault, args.fault_at * n * args.jobs
@@ -253,7 +253,7 @@ class Fault:
             self.red.restart()
             self.note = f"Redis restarted at {recorded:,} records ({time.monotonic() - t:.1f} s down)"
             return
-        feeding = [i for i, _ in enumerate(self.workers) if "feeding it on from the store" in self._log(i)]
+        feeding = [i for i, _ in enumerate(self.workers) if "took over its submission" in self._log(i)]
         if self.kind == "kill-holder":
             if not feeding or all(s != "validating" for _t, _d, s in counts.values()):
                 self.note = "no feeder to kill: the job was fed already"

@@ -122,7 +122,7 @@ def test_a_job_bigger_than_its_window_is_fed_by_a_worker_a_window_at_a_time(work
     check_exactly_once(c, job, 400)
     wait_for(lambda: not (store / input_key(job)).exists(), 10, what="the input's copy deleted once fed")
     assert job not in c.jobs.handed_off()
-    assert w.count("feeding it on from the store") == 1
+    assert w.count("took over its submission") == 1
     c.close()
 
 
@@ -143,14 +143,14 @@ def test_the_feeding_worker_killed_another_takes_the_job_over(workers, tmp_path)
     path = write_file(tmp_path / "in.jsonl", lines(600))
     job = c.submit_batch(path)
     feeder = wait_for(
-        lambda: next((w for w in (a, b) if w.count("feeding it on from the store")), None), 30, what="a feeder"
+        lambda: next((w for w in (a, b) if w.count("took over its submission")), None), 30, what="a feeder"
     )
     wait_for(lambda: c.batch_status(job).request_counts.total > 3 * WINDOW, 60, what="the feeder to feed a while")
     feeder.kill()
     other = b if feeder is a else a
     st = c.wait_batch(job, timeout=240)
     assert st.status == "completed" and st.request_counts.completed == 600
-    assert other.count("feeding it on from the store") == 1, "the survivor took the lease over"
+    assert other.count("took over its submission") == 1, "the survivor took the lease over"
     check_exactly_once(c, job, 600)
     c.close()
 

@@ -105,7 +105,7 @@ class Feeders:
             submitter = Submitter(
                 self.store, self.broker, self.app, self.settings, window=window_size(self.settings, live)
             )
-            log.info("job %s: feeding it on from the store", job)
+            log.debug("job %s: its feeder lease is free; taking it over", job)
             if submitter.resume(job, path, stale_s=self.stale_s):
                 log.info("job %s: this worker fed it on from the store (%d lines)", job, submitter.total)
         except JobNotFound:

@@ -346,6 +346,7 @@ class Submitter:
         done = self.store.take_over(job_id, stale_s, token)
         if done is None:
             return False
+        log.info("job %s: took over its submission (%d lines submitted before)", job_id, done[0])
         job = self.store.status(job_id, repair=False)
         self._setup(job_id, token, job.timeout, job.priority, endpoint, require_valid)
         self.total, self.max_line = done
