@@ -160,7 +160,7 @@ def test_the_wait_for_a_turn_alone_is_bounded_by_max_held(make_service):
     from batchery.contract.errors import DeadlineExceeded
 
     s = make_service()
-    _, first = s.submit(chat("the cat sat", solo=True, max_tokens=1500))
+    _, first = s.submit(chat("the cat sat", solo=True, max_tokens=6000))  # runs for seconds even on a fast CPU
     wait_for(lambda: s.engine_stats.get("num_running"), 30, what="the first solo run to start")
     with pytest.raises(DeadlineExceeded, match=r"deadline of 1 s exceeded"):
         s.generate(chat("hello", solo=True, max_tokens=4), 1.0, max_held=0.0)
