@@ -330,9 +330,9 @@ def test_engine_aborted_holder_releases_the_others(tiny_model_dir, loaded):
 def docqa_computed(tiny_model_dir, loaded, *, grouped: bool, num_kv_blocks: int, concurrency: int = 6):
     """Document questions (16 documents of 80 words, 3 questions each, shuffled) fed to an engine as a worker
     does, at most ``concurrency`` at a time in queue order; ``grouped``: in the submitter's order
-    (``batchery.jobs.submit.prefix_key``). Returns (prompt tokens computed, the minimum: each distinct prefix
+    (``batchery.jobs.grouping.prefix_key``). Returns (prompt tokens computed, the minimum: each distinct prefix
     once, the size of the prompts' token trie)."""
-    from batchery.jobs.submit import prefix_key
+    from batchery.jobs.grouping import prefix_key
 
     eng = make_engine(tiny_model_dir, loaded, num_kv_blocks=num_kv_blocks, max_num_seqs=16, max_num_batched_tokens=256)
     rng = random.Random(0)

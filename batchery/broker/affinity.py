@@ -94,7 +94,7 @@ return moved
 
 
 def prefix_hash(key: str) -> str:
-    """The group of lines whose shared prompt prefix is ``key`` (``batchery.jobs.submit.prefix_group``): hex digits
+    """The group of lines whose shared prompt prefix is ``key`` (``batchery.jobs.grouping.prefix_group``): hex digits
     of its sha256."""
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:PREFIX_HASH_CHARS]
 

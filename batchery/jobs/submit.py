@@ -38,7 +38,6 @@ A job that vanishes from Redis during the submission (deleted, or Redis flushed 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -46,13 +45,10 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
-from batchery.broker.affinity import PREFIX_HEADER, prefix_hash
+from batchery.broker.affinity import PREFIX_HEADER
 from batchery.broker.connection import is_redis_url, redis_from_url
 from batchery.broker.publish import MessageBuilder
 from batchery.contract.batch import (
-    CHAT_URL,
-    COMPLETIONS_URL,
-    RESPONSES_URL,
     UNSUPPORTED_URL,
     BatchLine,
     LineError,
@@ -70,6 +66,7 @@ from batchery.contract.names import (
     ENQUEUED_AT_HEADER,
 )
 from batchery.contract.schemas import check_timeout
+from batchery.jobs.grouping import prefix_group, prefix_key
 from batchery.jobs.storage import FileStorage, StorageError, open_storage
 from batchery.jobs.store import STOPPED_STATUSES, JobNotFound, JobStore, check_window, new_job_id
 
@@ -81,9 +78,6 @@ MAX_METADATA_VALUE = 512
 DEFAULT_CHUNK = 1000
 GROUP_LINES = 20_000  # the most lines in one grouping window (lines sorted by prefix before they are enqueued)
 GROUP_BYTES = 64 << 20  # ... and the most bytes of task messages (and their prefix keys) it holds
-PREFIX_KEY_CHARS = 1 << 16  # lines whose prompts agree this far sort as equal (bounds the sort's compares)
-GROUP_MIN_CHARS = 512  # a prompt less its last turn this long is a prefix group of its own (prefix_group)
-GROUP_PREFIX_CHARS = 1024  # else the prompt's first characters are
 FIRST_ERRORS = 10  # line errors a job that fails with no_valid_lines reports
 RESUME_AFTER_S = 30.0  # a validating job whose submitter has not beaten for this long may be taken over
 ROOM_POLL_S = 0.1  # how often a submitter whose window is full looks at the job's counts
@@ -162,59 +156,6 @@ def exceeds_max_lines(path: Path, max_lines: int) -> bool:
                 if n > max_lines:
                     return True
     return n + (not blank) > max_lines
-
-
-def _text(v) -> str:
-    """The text of a prompt part as a chat template renders it, near enough to compare prompts by."""
-    if v is None:
-        return ""
-    if isinstance(v, str):
-        return v
-    if isinstance(v, list):
-        return "\x01".join(_text(x) for x in v)
-    if isinstance(v, dict):
-        if isinstance(v.get("text"), str):
-            return v["text"]
-        if "content" in v:
-            return f"{v.get('role', '')}\x02{_text(v['content'])}"
-    return json.dumps(v, sort_keys=True, separators=(",", ":"))
-
-
-def prefix_key(url: str, body: dict) -> str:
-    """The start of the prompt a line becomes, as text to sort by: lines that share a prefix sort next to each
-    other. Model and endpoint first, then tools (chat templates render them before the messages), then the
-    messages' roles and contents in order (chat), the prompt (completions) or the instructions and input
-    (responses). Cut at ``PREFIX_KEY_CHARS``."""
-    parts = [str(body.get("model") or ""), url]
-    tools = body.get("tools")
-    parts.append(_text(tools) if tools else "")
-    if url == CHAT_URL:
-        for m in body.get("messages") or ():
-            if isinstance(m, dict):
-                parts.append(f"{m.get('role', '')}\x02{_text(m.get('content'))}")
-            else:
-                parts.append(_text(m))
-    elif url == COMPLETIONS_URL:
-        parts.append(_text(body.get("prompt")))
-    elif url == RESPONSES_URL:
-        parts.append(_text(body.get("instructions")))
-        parts.append(_text(body.get("input")))
-    return "\x00".join(parts)[:PREFIX_KEY_CHARS]
-
-
-def prefix_group(url: str, body: dict) -> str:
-    """The line's prefix group (``batchery.broker.affinity``): a hash of its prompt without the last turn (a chat's
-    last message, a Response's last input item), so a document's questions share one; when that part is short (a
-    one-line system prompt, a single message, a completion's prompt) the first ``GROUP_PREFIX_CHARS`` of the whole
-    prompt instead, so unrelated lines are not all one group."""
-    head = ""
-    if url == CHAT_URL and isinstance(body.get("messages"), list) and len(body["messages"]) > 1:
-        head = prefix_key(url, {**body, "messages": body["messages"][:-1]})
-    elif url == RESPONSES_URL and isinstance(body.get("input"), list) and len(body["input"]) > 1:
-        head = prefix_key(url, {**body, "input": body["input"][:-1]})
-    if len(head) < GROUP_MIN_CHARS:
-        head = prefix_key(url, body)[:GROUP_PREFIX_CHARS]
-    return prefix_hash(head)
 
 
 def _message_size(message) -> int:
