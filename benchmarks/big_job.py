@@ -310,6 +310,13 @@ def run_jobs(args, n: int, model: Path, workdir: Path, tree: Path) -> dict:
         PYTHONUNBUFFERED="1",
         PYTHONPATH=str(tree) + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
+    if args.fault:  # a SIGKILLed worker's unacknowledged messages come back after the visibility timeout
+        env.update(
+            BATCHERY_TASK_TIMEOUT="20",
+            BATCHERY_MAX_TASK_TIMEOUT="20",
+            BATCHERY_RETRY_BACKOFF_MAX="1",
+            BATCHERY_VISIBILITY_TIMEOUT="22",
+        )  # as benchmarks/chaos.py's workers; the default (2 x BATCHERY_MAX_TASK_TIMEOUT + 60 s) is two hours
     env.pop("BATCHERY_BATCH__MAX_LINES", None)
     env["BATCHERY_BATCH__MAX_LINES"] = str(max(n, 100_000))  # the old tree's default is 100,000
     inputs = []
