@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchery.contract.names import ATTENTION_BACKENDS, DEFAULT_MODEL, DTYPES
+from batchery.engine.structured import check_json_layout
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,9 @@ class EngineConfig:
     async_scheduling: bool | str = "auto"
     trust_remote_code: bool = False
     seed: int = 0
+    # how structured outputs lay out JSON unless a request names a layout (engine/structured.py, JSON_LAYOUTS):
+    # "indent" (json.dumps(indent=2)), "compact" (json.dumps()), "any" (free whitespace), "any:N" (runs of at most N)
+    json_layout: str = "indent"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -42,5 +46,6 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not (isinstance(self.async_scheduling, bool) or self.async_scheduling == "auto"):
             raise ValueError(f"async_scheduling must be 'auto', True or False, got {self.async_scheduling!r}")
+        check_json_layout(self.json_layout)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")

@@ -108,7 +108,9 @@ class LLMEngine:
     def grammars(self) -> GrammarCache:
         """Compiled structured-output grammars, kept on the loaded model (a rebuilt engine keeps
         them). Thread-safe: the engine service compiles in its callers' threads, off the loop."""
-        return grammar_cache(self.loaded, self.tokenizer, self.runner.vocab_size, self.eos_ids)
+        return grammar_cache(
+            self.loaded, self.tokenizer, self.runner.vocab_size, self.eos_ids, json_layout=self.config.json_layout
+        )
 
     # -- tokenization ----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

@@ -374,7 +374,8 @@ def test_threads_compiling_many_schemas_leave_a_consistent_cache(tokenizer, llm,
 
 
 def test_json_has_one_layout_and_json_mode_is_an_object(cache):
-    person = StructuredOutputsParams(json=PERSON)
+    """Each layout is one fixed text per value (tests/test_json_layout.py has them all): here compact."""
+    person = StructuredOutputsParams(json=PERSON, json_layout="compact")
     doc = {"name": "Ann", "age": 30, "email": "ann@x.com"}
     assert accepts(cache, person, json.dumps(doc))  # json.dumps' default layout
     assert not accepts(cache, person, json.dumps(doc, indent=2))  # no free whitespace
@@ -431,7 +432,7 @@ def test_the_cpu_mask_equals_xgrammars_kernel(cache, llm):
     some = [seq(i, i % 3 > 0) for i in range(9)]  # a gather of the constrained rows
     every = [seq(i, True) for i in range(5)]  # the path without a gather
     for seqs in (some, every):
-        assert seqs[1].grammar.matcher.accept_string('{"id": "ORD-1')  # type: ignore[union-attr]  # in a string
+        assert seqs[1].grammar.matcher.accept_string('{\n  "id": "ORD-1')  # type: ignore[union-attr]  # in a string
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         logits = torch.randn(len(seqs), vocab)
         expected = logits.clone()
@@ -532,7 +533,8 @@ def test_an_invalid_schema_fails_only_its_request(llm):
 def test_max_tokens_mid_object_finishes_with_length(llm):
     out = llm.generate(PROMPT, greedy(max_tokens=4, **so(json=ORDER)))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 4
-    assert out.text.startswith('{"id"')  # the schema's first property, cut short
+    head = '{\n  "id": "ORD-'  # the schema's first property (the indent layout), cut short
+    assert out.text.startswith(head) or head.startswith(out.text), out.text
     with pytest.raises(ValueError):
         json.loads(out.text)
 

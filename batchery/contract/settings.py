@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from batchery.contract.names import ATTENTION_BACKENDS, DEFAULT_MODEL, DTYPES, QUEUE_PREFIX
@@ -86,6 +86,20 @@ class EngineOptions(BaseModel):
     )
     trust_remote_code: bool = Field(default=False, description="let transformers run a model repo's own code")
     seed: int = Field(default=0, description="sampler seed for requests without their own seed")
+    json_layout: str = Field(
+        default="indent",
+        description=(
+            "how structured outputs lay out JSON unless a request names a layout: indent (json.dumps(indent=2)), "
+            "compact (one line), any (free whitespace), any:N (runs of at most N whitespace characters)"
+        ),
+    )
+
+    @field_validator("json_layout")
+    @classmethod
+    def _check_json_layout(cls, v: str) -> str:
+        from batchery.contract.schemas.constraints import check_json_layout
+
+        return check_json_layout(v, "BATCHERY_ENGINE__JSON_LAYOUT")
 
 
 class BatchOptions(BaseModel):
@@ -351,6 +365,7 @@ class Settings(BaseSettings):
             async_scheduling=e.async_scheduling,
             trust_remote_code=e.trust_remote_code,
             seed=e.seed,
+            json_layout=e.json_layout,
         )
 
     def describe(self) -> dict:

@@ -54,7 +54,6 @@ IGNORED_FIELDS: dict[str, str] = {
     "prompt_cache_options": "OpenAI's prompt-cache options",
     "stream_options": "options for streaming, which is refused (stream is false)",
     "guided_decoding_backend": "vLLM's choice of grammar backend; Batchery has one (xgrammar)",
-    "guided_whitespace_pattern": "vLLM's whitespace option for JSON; the grammar engine's default applies",
 }
 CHAT_IGNORED_FIELDS: dict[str, str] = {
     **IGNORED_FIELDS,
@@ -64,8 +63,13 @@ CHAT_IGNORED_FIELDS: dict[str, str] = {
     "parallel_tool_calls": "without tools (with tools it is supported)",
     "modalities": 'when it is ["text"] (what Batchery generates anyway)',
 }
+WHITESPACE_PATTERN_REFUSED = (
+    "whitespace patterns are not supported: Batchery lays JSON out in a layout its grammar fixes, not by a regex; "
+    "send structured_outputs.json_layout (indent, compact, any or any:N) or disable_any_whitespace: true"
+)
 # Refused with the field named: each would change the result, and Batchery cannot honour it.
 CHAT_REFUSED_FIELDS: dict[str, str] = {
+    "guided_whitespace_pattern": WHITESPACE_PATTERN_REFUSED,  # vLLM's; /v1/completions refuses it too
     "audio": f"audio output is not supported: {TEXT_ONLY}",
     "functions": "functions is OpenAI's legacy form of tools and is not supported; send tools "
     '([{"type": "function", "function": {...}}])',

@@ -9,6 +9,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from batchery.contract.schemas.common import (
     MAX_CHOICES,
     MAX_SCHEMA_CHARS,
+    WHITESPACE_PATTERN_REFUSED,
     Name,
     ShortText,
     Text,
@@ -65,10 +66,29 @@ def _check_choice(v: Any, what: str) -> list[str]:
     return v
 
 
+JSON_LAYOUT_NAMES = ("indent", "compact", "any")  # and "any:N"; the engine's JSON_LAYOUTS (kept in step by a test)
+MAX_JSON_WHITESPACE = 64
+
+
+def check_json_layout(v: Any, what: str) -> Any:
+    """A JSON layout's name (the engine's ``check_json_layout``, repeated here: the contract imports no engine)."""
+    if v is None or v in JSON_LAYOUT_NAMES:
+        return v
+    if isinstance(v, str) and v.startswith("any:"):
+        n = v[4:]
+        if n.isdigit() and n == str(int(n)) and 1 <= int(n) <= MAX_JSON_WHITESPACE:
+            return v
+    raise ValueError(
+        f"{what} must be indent, compact, any or any:N with N from 1 to {MAX_JSON_WHITESPACE}, got {v!r:.80}"
+    )
+
+
 class StructuredOutputs(_Strict):
-    """vLLM's ``structured_outputs`` (vLLM >= 0.11): exactly one constraint. vLLM's tuning options
-    (``disable_fallback``, ``disable_any_whitespace``, ``disable_additional_properties``,
-    ``whitespace_pattern``) are accepted and ignored: the output still matches the constraint."""
+    """vLLM's ``structured_outputs`` (vLLM >= 0.11): exactly one constraint. Of vLLM's tuning options,
+    ``disable_fallback`` and ``disable_additional_properties`` are accepted and ignored (there is one
+    backend, and schemas are always strict); ``disable_any_whitespace: true`` lays JSON out on one line
+    (``json_layout`` compact: what vLLM's flag gives); ``whitespace_pattern`` is refused. ``json_layout``
+    (Batchery's) names a JSON constraint's layout; unset, the worker's ``BATCHERY_ENGINE__JSON_LAYOUT``."""
 
     json_: dict[str, Any] | None = Field(default=None, alias="json")
     regex: str | None = None
@@ -80,6 +100,19 @@ class StructuredOutputs(_Strict):
     disable_any_whitespace: bool | None = None
     disable_additional_properties: bool | None = None
     whitespace_pattern: ShortText | None = None
+    json_layout: ShortText | None = None
+
+    @field_validator("json_layout")
+    @classmethod
+    def _check_layout(cls, v: Any) -> Any:
+        return check_json_layout(v, "structured_outputs.json_layout")
+
+    @field_validator("whitespace_pattern")
+    @classmethod
+    def _refuse_pattern(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError(WHITESPACE_PATTERN_REFUSED)
+        return v
 
     @field_validator("json_", mode="before")
     @classmethod
@@ -111,6 +144,11 @@ class StructuredOutputs(_Strict):
                 f"structured_outputs must set exactly one of {', '.join(CONSTRAINT_KEYS)}, "
                 f"got {', '.join(set_) or 'none'}"
             )
+        if self.disable_any_whitespace and self.json_layout not in (None, "compact"):
+            raise ValueError(
+                f"structured_outputs: disable_any_whitespace: true asks for the compact layout, "
+                f"and json_layout is {self.json_layout!r}: set only one"
+            )
         return self
 
     def _values(self) -> dict[str, Any]:
@@ -124,5 +162,10 @@ class StructuredOutputs(_Strict):
         }
 
     def engine(self) -> dict[str, Any]:
-        """The engine's ``structured_outputs`` dict: exactly one key."""
-        return {k: v for k, v in self._values().items() if v not in (None, False)}
+        """The engine's ``structured_outputs`` dict: exactly one constraint key, and ``json_layout``
+        when one is asked for (of a JSON constraint; the others have no layout)."""
+        out = {k: v for k, v in self._values().items() if v not in (None, False)}
+        layout = "compact" if self.disable_any_whitespace else self.json_layout
+        if layout is not None and ("json" in out or "json_object" in out):
+            out["json_layout"] = layout
+        return out

@@ -17,6 +17,7 @@ from batchery.contract.schemas.common import (
     MAX_TOKENS_LIMIT,
     OPENAI_MAX_N,
     SEED_MAX,
+    WHITESPACE_PATTERN_REFUSED,
     Metadata,
     ShortText,
     _bounded_text,
@@ -99,6 +100,7 @@ class _SamplingFields(_Strict):
     prompt_cache_options: dict[str, Any] | None = None
     stream_options: dict[str, Any] | None = None
     guided_decoding_backend: ShortText | None = None
+    # refused (CHAT_REFUSED_FIELDS)
     guided_whitespace_pattern: ShortText | None = None
 
     _constraint: dict[str, Any] | None = PrivateAttr(default=None)
@@ -135,6 +137,13 @@ class _SamplingFields(_Strict):
     @classmethod
     def _check_logit_bias(cls, v: Any) -> Any:
         return _logit_bias(v)
+
+    @field_validator("guided_whitespace_pattern")
+    @classmethod
+    def _refuse_whitespace_pattern(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError(WHITESPACE_PATTERN_REFUSED)
+        return v
 
     @field_validator("guided_json", mode="before")
     @classmethod
