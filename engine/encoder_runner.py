@@ -129,12 +129,13 @@ def load_encoder(config: EngineConfig) -> LoadedEncoder:
     model = AutoModel.from_pretrained(str(path), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, **common)
     model.to(dev).eval()
     model.requires_grad_(False)
-    if dev.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+    if dev.type == "cpu" and dtype == torch.bfloat16:
         from batchery.engine import fast_linear
 
-        # every row count through our kernels (no calibrated hand-over to oneDNN or MKL at many rows): a row's
-        # sums then do not depend on how many rows share the step, and on AVX512-BF16 the bf16 kernels ran about
-        # 1.9x torch's on this model (2-core EPYC, shared machine); BATCHERY_CPU_KERNELS=0 keeps torch
+        # bf16: every row count through our kernels (no calibrated hand-over to oneDNN at many rows), so a row's
+        # sums do not depend on how many rows share the step; on AVX512-BF16 they ran about 1.9x torch's on this
+        # model (2-core EPYC, shared machine). fp32 stays on MKL: forcing the fp32 kernel at 1,000-row steps ran
+        # 5x slower (MKL's sums are row-count independent from MIN_STEP_ROWS rows). BATCHERY_CPU_KERNELS=0: torch
         fast_linear.install(model, max_rows=-1)
     hf_config = model.config
     is_causal = bool(getattr(hf_config, "is_decoder", False)) or getattr(hf_config, "model_type", "") not in _ENCODERS
