@@ -106,7 +106,8 @@ def test_a_newline_may_close_an_array_but_never_enters_a_string(cache, llm):
     banned (xgrammar 0.2.9 lets control bytes into length-bounded strings)."""
     tok = llm.tokenizer
     vocab = llm.engine.runner.vocab_size
-    newline = [t for t in range(vocab) if b"\n" in cache.info.decoded_vocab[t]]
+    pieces = cache.info.decoded_vocab  # a copy of the whole vocabulary at each access: read once
+    newline = [t for t in range(vocab) if b"\n" in pieces[t]]
     bitmask = torch.zeros((1, (vocab + 31) // 32), dtype=torch.int32)
 
     def state_after(text: str):
@@ -122,7 +123,7 @@ def test_a_newline_may_close_an_array_but_never_enters_a_string(cache, llm):
     state, allowed = state_after('{\n  "tags": [],\n  "items": [\n    {\n      "name": "pe')  # in a bounded string
     assert state.lex == JsonLexer.IN
     assert allowed and not allowed & set(newline)
-    assert not any(any(b < 0x20 for b in cache.info.decoded_vocab[t]) for t in allowed if t not in cache.stop_token_ids)
+    assert not any(any(b < 0x20 for b in pieces[t]) for t in allowed if t not in cache.stop_token_ids)
     assert state.fork().lex == JsonLexer.IN
 
 

@@ -387,11 +387,15 @@ def test_json_has_one_layout_and_json_mode_is_an_object(cache):
 
 
 def test_schemas_are_strict_unless_they_allow_more(cache):
-    extra = '{"name": "Ann", "age": 30, "email": "ann@x.com", "zzz": 1}'
+    extra = '{"name": "Ann", "age": 30, "email": "ann@x.com", "zzz": 1}'  # the compact layout
     loose = {k: v for k, v in PERSON.items() if k != "additionalProperties"}  # JSON Schema would allow "zzz"
-    assert not accepts(cache, StructuredOutputsParams(json=loose), extra)
-    assert not accepts(cache, StructuredOutputsParams(json=PERSON), extra)
-    assert accepts(cache, StructuredOutputsParams(json={**loose, "additionalProperties": True}), extra)
+
+    def compact(schema: dict) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=schema, json_layout="compact")
+
+    assert not accepts(cache, compact(loose), extra)
+    assert not accepts(cache, compact(PERSON), extra)
+    assert accepts(cache, compact({**loose, "additionalProperties": True}), extra)
     # an object schema without properties is any object
     assert accepts(cache, StructuredOutputsParams(json={"type": "object"}), '{"k": [true]}')
 
