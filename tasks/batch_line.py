@@ -41,7 +41,7 @@ from batchery.contract.errors import BatcheryError, InvalidRequest, RequestCance
 from batchery.contract.outcomes import LineOutcome, Outcome
 from batchery.jobs.deadletter import INVALID_MESSAGE, short
 from batchery.jobs.store import LEASE_GRACE_S, JobStore
-from batchery.tasks import messages, redelivery
+from batchery.tasks import inflight, messages, redelivery
 from batchery.tasks.chat import resolve_timeout, run_chat, run_completion, run_responses
 from batchery.tasks.embeddings import run_embeddings
 from batchery.tasks.stores import job_store
@@ -76,6 +76,16 @@ def batch_line(
         owner = affinity.route(self.request, self.name, kwargs, priority)  # a copy of the message, if it went
         if owner is not None:
             return LineOutcome(Outcome.SKIPPED, f"forwarded to {owner}, the worker of its prefix group")
+    if not inflight.take(job, [line]):  # a duplicate message: the copy that runs records or requeues the line
+        return LineOutcome(Outcome.SKIPPED, "another copy of the line runs in this worker process")
+    try:
+        return _claim_and_run(self, store, watch, job, line, custom_id, url, body, timeout, priority)
+    finally:
+        inflight.release(job, [line])
+
+
+def _claim_and_run(self, store, watch, job, line, custom_id, url, body, timeout, priority) -> LineOutcome:
+    settings = self.app.batchery_settings
     try:
         lease = resolve_timeout(timeout, settings) + settings.retry_backoff_max + LEASE_GRACE_S
     except InvalidRequest:
