@@ -131,7 +131,7 @@ def batchery_engine(lines: list[dict], layouts: list[str], args) -> dict:
 
     report = {}
     for k, layout in enumerate(layouts):
-        timed = k == 0 or args.speed_all  # the grammar's cost: the first layout's (the default's), unless --speed-all
+        timed = (k == 0 or args.speed_all) and not args.no_speed  # the grammar's cost: the first layout's
         best_c = best_u = float("inf")
         outs = None
         for _ in range(args.repeats if timed else 1):
@@ -223,6 +223,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--layouts", default="indent,compact", help="JSON layouts for the engine, in order ('': none)")
     ap.add_argument("--repeats", type=int, default=1, help="constrained/unconstrained pairs (best of)")
+    ap.add_argument("--no-speed", action="store_true", help="finish and validity only (no unconstrained runs)")
     ap.add_argument("--speed-all", action="store_true", help="time every layout against unconstrained, not the first")
     ap.add_argument("--via-run", action="store_true", help="also run the file through `batchery run`")
     ap.add_argument("--skip-vllm", action="store_true")
