@@ -169,6 +169,7 @@ class Chunk:
         if self.back:
             for n in self.back:
                 _retrying(f"releasing line {n} of {self.job}", self.store.release, self.job, n)
+            inflight.release(self.job, self.back)  # before their copies are queued: this worker may take them at once
             n = split(self.app, self.store, self.job, self.back, self.priority)
             self._count(Outcome.REQUEUED, n)
         prompt, completion = self.tokens
