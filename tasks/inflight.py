@@ -30,8 +30,3 @@ def take(job: str, lines: list[int]) -> list[int]:
 def release(job: str, lines: list[int]) -> None:
     with _lock:
         _held.difference_update((job, n) for n in lines)
-
-
-def held(job: str, line: int) -> bool:
-    with _lock:
-        return (job, line) in _held
