@@ -226,6 +226,56 @@ def test_grammar_rows_match_the_reference(grammar_setup):
     assert b[0][-1] == eos  # the only token the complete grammar allows, despite min_tokens
 
 
+def test_greedy_grammar_rows_checked_before_masking_match_the_reference(grammar_setup):
+    """Greedy constrained rows (no penalties, no min_tokens) take their argmax first and are masked only where the
+    grammar refuses it: over several steps, with rows whose argmax the grammar allows (planted) and rows whose
+    argmax it refuses, beside sampled constrained rows, free rows and logprobs, the ids and logprobs are the
+    reference's (which masks first), and every constrained token is one its grammar allows."""
+    from batchery.engine.structured import StructuredOutputsParams
+
+    cache, tok = grammar_setup
+    vocab = cache.vocab_size
+    eos = tok.eos_token_id
+    digits = [tok.encode(str(d), add_special_tokens=False)[0] for d in range(10)]
+    specs = [StructuredOutputsParams(regex="[0-9]{1,6}"), StructuredOutputsParams(json_object=True)]
+    spec, grammars = [], []
+    for i in range(10):
+        if i < 6:  # greedy constrained
+            spec.append(([1, 2, 3], [], SamplingParams(temperature=0.0, logprobs=2 if i % 3 == 0 else None)))
+            grammars.append(cache.matcher(specs[i % 2]))
+        elif i < 8:  # sampled constrained
+            spec.append(([4, 5], [], SamplingParams(temperature=0.8, seed=i)))
+            grammars.append(cache.matcher(specs[i % 2]))
+        else:  # free rows, without penalties or min_tokens (either would send every grammar row through its mask)
+            spec.append(([6], [], SamplingParams(temperature=0.7 * (i - 8), top_k=20, logprobs=1)))
+            grammars.append(None)
+    ref_seqs, new_seqs = make_seqs(spec, grammars), make_seqs(spec, grammars)
+    ref_g = [cache.matcher(specs[i % 2]) if g is not None else None for i, g in enumerate(grammars)]
+    for s_ in ref_seqs:
+        s_.grammar = ref_g[int(s_.request_id)]
+    ref, new = ReferenceSampler(torch.device("cpu"), seed=3), Sampler(torch.device("cpu"), seed=3)
+    gen = torch.Generator().manual_seed(2)
+    planted = refused = 0
+    for step in range(4):
+        logits = torch.randn(len(spec), vocab, generator=gen)
+        for row in (0, 2, 4):  # regex rows: a digit on top, which the grammar allows
+            logits[row, digits[(row + step) % 10]] = 50.0
+        a = ref(logits.clone(), ref_seqs, [eos])
+        b = new(logits.clone(), new_seqs, [eos])
+        assert_same(a, b, logits)
+        for i in range(6):
+            top = int(logits[i].argmax())
+            planted += b[0][i] == top
+            refused += b[0][i] != top
+        for i, (sa, sb, t) in enumerate(zip(ref_seqs, new_seqs, a[0], strict=True)):
+            if sb.grammar is not None and not sb.grammar.is_terminated():  # ended: only its stop token again
+                assert sb.grammar.accept(t), f"row {i} step {step}: token {t} is not one its grammar allows"
+                assert sa.grammar.accept(t)
+            sa.token_ids.append(t)
+            sb.token_ids.append(t)
+    assert planted >= 12 and refused >= 4  # both paths ran
+
+
 def count_ops(sampler, logits: torch.Tensor, seqs: list[Sequence]) -> dict[str, int]:
     from torch.profiler import ProfilerActivity, profile
 
