@@ -6,9 +6,13 @@ explicit position ids (each input counts from 0) and token type ids. Our attenti
 with transformers' registry, attends within each input's own rows only: bidirectionally for encoders,
 causally for decoders. Each input is attended alone, so its rows never depend on what shares the step.
 
-Linear layers see every row of the step at once. torch's CPU GEMM (MKL) can take another path for a
-handful of rows than for many, so a step shorter than ``MIN_STEP_ROWS`` is padded with a throwaway
-segment: the same input then gives the same bits alone and in a full step (fp32)."""
+Linear layers see every row of the step at once. torch's CPU GEMM (MKL) can take another path, and sum in
+another order, for one row count than for another: on a 2-core Intel Xeon (AMX) the 1536 -> 384 projection
+with 2 threads gave other bits for 1 to 190 rows than for more (on AMD EPYC only below 32 rows). So in fp32
+on the CPU every linear runs on blocks of exactly ``ROW_BLOCK`` rows (the step is padded to a multiple of it
+with a throwaway segment): one GEMM shape, whatever shares the step, and a row's bits do not depend on its
+place in the block, so the same input gives the same bits alone and in a full step. Other dtypes pad to
+``MIN_STEP_ROWS`` (bf16 runs our kernels, whose sums never depend on the row count)."""
 
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ log = logging.getLogger("batchery.engine.pooling")
 
 ATTN_IMPLEMENTATION = "batchery_packed"
 MIN_STEP_ROWS = 32  # GEMMs below this many rows may sum in another order (see the module docstring)
+ROW_BLOCK = 256  # fp32 on the CPU: every linear runs on blocks of exactly this many rows
 
 _local = threading.local()  # the step's segments, read by the attention function (thread-local, as metadata.py)
 
@@ -137,6 +142,10 @@ def load_encoder(config: EngineConfig) -> LoadedEncoder:
         # model (2-core EPYC, shared machine). fp32 stays on MKL: forcing the fp32 kernel at 1,000-row steps ran
         # 5x slower (MKL's sums are row-count independent from MIN_STEP_ROWS rows). BATCHERY_CPU_KERNELS=0: torch
         fast_linear.install(model, max_rows=-1)
+    elif dev.type == "cpu" and dtype == torch.float32:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.forward = _blocked_linear(module)  # type: ignore[method-assign]
     hf_config = model.config
     is_causal = bool(getattr(hf_config, "is_decoder", False)) or getattr(hf_config, "model_type", "") not in _ENCODERS
     pooler = read_pooler_config(path, hf_config, is_causal)
@@ -156,6 +165,24 @@ def load_encoder(config: EngineConfig) -> LoadedEncoder:
     return LoadedEncoder(model, tokenizer, hf_config, pooler, dtype, dev, is_causal, config.model)
 
 
+def _blocked_linear(module: torch.nn.Linear) -> Any:
+    """``module``'s forward on blocks of exactly ``ROW_BLOCK`` rows (the runner pads every step to a multiple),
+    so MKL runs one GEMM shape whatever the step holds (see the module docstring)."""
+    weight, bias = module.weight, module.bias
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        n = rows.shape[0]
+        if n % ROW_BLOCK:
+            return F.linear(x, weight, bias)  # not a padded step (a caller of its own): as torch does
+        out = rows.new_empty(n, weight.shape[0])
+        for start in range(0, n, ROW_BLOCK):
+            out[start : start + ROW_BLOCK] = F.linear(rows[start : start + ROW_BLOCK], weight, bias)
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    return forward
+
+
 # encoder-only model types (bidirectional attention); any other type is run as a causal decoder
 _ENCODERS = frozenset({"bert", "roberta", "xlm-roberta", "distilbert", "electra", "mpnet", "camembert", "deberta"})
 
@@ -169,6 +196,8 @@ class EncoderRunner:
         self.device = loaded.device
         self.pad_id = int(getattr(loaded.hf_config, "pad_token_id", None) or 0)
         self.uses_token_types = int(getattr(loaded.hf_config, "type_vocab_size", 0) or 0) > 0
+        blocked = loaded.device.type == "cpu" and loaded.dtype == torch.float32
+        self.row_block = ROW_BLOCK if blocked else 0  # pad the step to a multiple of this (0: to MIN_STEP_ROWS)
 
     @torch.inference_mode()
     def execute(self, token_ids: list[list[int]]) -> torch.Tensor:
@@ -179,8 +208,9 @@ class EncoderRunner:
         for n in seq_lens:
             bounds.append((start, n))
             start += n
-        if start < MIN_STEP_ROWS:  # a throwaway segment, so no GEMM sees fewer rows than this
-            pad = MIN_STEP_ROWS - start
+        target = -(-start // self.row_block) * self.row_block if self.row_block else max(start, MIN_STEP_ROWS)
+        if start < target:  # a throwaway segment: the GEMMs see the row counts they always see
+            pad = target - start
             flat += [self.pad_id] * pad
             positions += list(range(pad))
             bounds.append((start, pad))
