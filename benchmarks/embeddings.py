@@ -27,8 +27,6 @@ import json
 import os
 import platform
 import random
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +36,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from big_job import free_port  # noqa: E402
+from vllm_peer import batchery_bin, run_vllm_embed  # noqa: E402
 
 WORDS = (
     "the of and to in is was for on are with as by at from that this be or an it not which have has had were "
@@ -95,11 +95,6 @@ def max_diff(vecs: torch.Tensor, offline: torch.Tensor | None) -> float:
     return float("nan") if offline is None else (vecs - offline).abs().max().item()
 
 
-def _bin(name: str) -> str:
-    here = Path(sys.executable).parent / name
-    return str(here) if here.exists() else (shutil.which(name) or name)
-
-
 def _env() -> dict[str, str]:
     from batchery.contract.names import EMBEDDING_MODEL
 
@@ -111,7 +106,7 @@ def _env() -> dict[str, str]:
 def via_run(batch: Path, tmp: Path) -> tuple[float, torch.Tensor]:
     """``batchery run FILE`` as a user runs it; returns its wall time and the output's vectors."""
     out, err = tmp / "run_out.jsonl", tmp / "run_err.jsonl"
-    cmd = [_bin("batchery"), "run", str(batch), "-o", str(out), "--errors", str(err), "--no-progress"]
+    cmd = [batchery_bin("batchery"), "run", str(batch), "-o", str(out), "--errors", str(err), "--no-progress"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
     dt = time.perf_counter() - t0
@@ -126,12 +121,10 @@ def via_serve(batch: Path, tmp: Path) -> tuple[float, torch.Tensor]:
     Returns the time from the upload to the downloaded output file, and its vectors."""
     import openai
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = open(tmp / "serve.log", "wb")
     proc = subprocess.Popen(
-        [_bin("batchery"), "serve", "--port", str(port)], env=_env(), stdout=log, stderr=subprocess.STDOUT
+        [batchery_bin("batchery"), "serve", "--port", str(port)], env=_env(), stdout=log, stderr=subprocess.STDOUT
     )
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
@@ -238,8 +231,6 @@ def main() -> None:
 
     vllm_dtypes = [] if args.skip_vllm else [d for d in args.vllm_dtypes.split(",") if d]
     for dtype in vllm_dtypes:
-        from vllm_peer import run_vllm_embed
-
         res = run_vllm_embed(texts, model_dir=Path(model_dir), dtype=dtype, threads=threads, warm=warm)
         figures[f"vllm_{dtype}"] = len(texts) / res["embed_s"]
         theirs = torch.tensor(res["embeddings"])

@@ -101,6 +101,7 @@ class LoadedEncoder:
     device: torch.device
     is_causal: bool  # a decoder used as an embedder
     name: str
+    row_block: int = 0  # its linears run on blocks of this many rows: steps pad to a multiple (0: to MIN_STEP_ROWS)
 
 
 def is_pooling_model(model: str) -> bool:
@@ -140,9 +141,10 @@ def load_encoder(config: EngineConfig) -> LoadedEncoder:
         # bf16: every row count through our kernels (no calibrated hand-over to oneDNN at many rows), so a row's
         # sums do not depend on how many rows share the step; on AVX512-BF16 they ran about 1.9x torch's on this
         # model (2-core EPYC, shared machine). fp32 stays on MKL: forcing the fp32 kernel at 1,000-row steps ran
-        # 5x slower (MKL's sums are row-count independent from MIN_STEP_ROWS rows). BATCHERY_CPU_KERNELS=0: torch
+        # 5x slower, so fp32 runs MKL on fixed row blocks instead (below). BATCHERY_CPU_KERNELS=0: torch
         fast_linear.install(model, max_rows=-1)
-    elif dev.type == "cpu" and dtype == torch.float32:
+    row_block = ROW_BLOCK if dev.type == "cpu" and dtype == torch.float32 else 0
+    if row_block:
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
                 module.forward = _blocked_linear(module)  # type: ignore[method-assign]
@@ -162,7 +164,7 @@ def load_encoder(config: EngineConfig) -> LoadedEncoder:
         pooler.max_seq_len,
         time.perf_counter() - t0,
     )
-    return LoadedEncoder(model, tokenizer, hf_config, pooler, dtype, dev, is_causal, config.model)
+    return LoadedEncoder(model, tokenizer, hf_config, pooler, dtype, dev, is_causal, config.model, row_block)
 
 
 def _blocked_linear(module: torch.nn.Linear) -> Any:
@@ -196,8 +198,7 @@ class EncoderRunner:
         self.device = loaded.device
         self.pad_id = int(getattr(loaded.hf_config, "pad_token_id", None) or 0)
         self.uses_token_types = int(getattr(loaded.hf_config, "type_vocab_size", 0) or 0) > 0
-        blocked = loaded.device.type == "cpu" and loaded.dtype == torch.float32
-        self.row_block = ROW_BLOCK if blocked else 0  # pad the step to a multiple of this (0: to MIN_STEP_ROWS)
+        self.row_block = loaded.row_block
 
     @torch.inference_mode()
     def execute(self, token_ids: list[list[int]]) -> torch.Tensor:
