@@ -66,7 +66,8 @@ def http(app_settings):
 
 
 def make_batch(http: TestClient, key: str, metadata: dict | None = None, cids=("a", "b"), bad=()) -> str:
-    """A batch of chat lines ``cids`` and lines ``bad`` for another endpoint (error lines at submission)."""
+    """A batch of chat lines ``cids`` and lines ``bad`` for another endpoint (error lines at submission), once it is
+    ``in_progress``."""
     sdk = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=key, http_client=http, max_retries=0)
     lines = [chat_line(c) for c in cids] + [{**chat_line(c), "url": "/v1/completions"} for c in bad]
     data = "".join(json.dumps(line) + "\n" for line in lines).encode()
@@ -74,6 +75,8 @@ def make_batch(http: TestClient, key: str, metadata: dict | None = None, cids=("
     b = sdk.batches.create(
         input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h", metadata=metadata
     )
+    # a batch starts ``validating`` and a background thread submits its lines: every test here reads an in_progress job
+    wait_for(lambda: sdk.batches.retrieve(b.id).status == "in_progress", 30, what=f"batch {b.id} in_progress")
     return b.id
 
 
