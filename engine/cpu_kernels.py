@@ -38,7 +38,7 @@ from pathlib import Path
 
 log = logging.getLogger("batchery.engine.kernels")
 
-NAME = "batchery_cpu_kernels_v36"  # the module's name (and torch's build directory); the note is keyed by the sources
+NAME = "batchery_cpu_kernels_v37"  # the module's name (and torch's build directory); the note is keyed by the sources
 
 CSRC = Path(__file__).resolve().with_name("csrc")  # the C++ sources and headers
 

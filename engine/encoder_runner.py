@@ -4,7 +4,10 @@ The transformers model module runs as it is (``AutoModel``: ``BertModel`` for th
 model of a decoder used as an embedder), on one packed row of every scheduled input's tokens with
 explicit position ids (each input counts from 0) and token type ids. Our attention function, registered
 with transformers' registry, attends within each input's own rows only: bidirectionally for encoders,
-causally for decoders. Each input is attended alone, so its rows never depend on what shares the step.
+causally for decoders. Each input is attended alone, so its rows never depend on what shares the step. On
+the CPU every input's attention runs in one call of the prefill kernel (``cpu_prefill.segment_attention``:
+q/k/v read in place, every (input, head, query tile) a task across the threads); elsewhere, or where the
+kernel does not cover the layer, one torch SDPA call per input.
 
 Linear layers see every row of the step at once. torch's CPU GEMM (MKL) can take another path, and sum in
 another order, for one row count than for another: on a 2-core Intel Xeon (AMX) the 1536 -> 384 projection
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from batchery.engine.attention import cpu_prefill
 from batchery.engine.config import EngineConfig
 from batchery.engine.loader import _model_path, resolve_device, resolve_dtype
 from batchery.engine.pooling import PoolerConfig, pool, read_pooler_config
@@ -43,6 +47,7 @@ _local = threading.local()  # the step's segments, read by the attention functio
 class _Segments:
     bounds: list[tuple[int, int]]  # (first row, rows) of each input in the packed row
     causal: bool  # decoders used as embedders attend causally
+    seqs: torch.Tensor | None = None  # the CPU kernel's description of the bounds (cpu_prefill.segments_array)
 
 
 def packed_attention_forward(
@@ -65,6 +70,13 @@ def packed_attention_forward(
     if softcap is not None:
         raise NotImplementedError("the pooling runner does not implement attention logit soft-capping")
     causal = seg.causal and bool(getattr(module, "is_causal", True))
+    if seg.seqs is not None and sliding_window is None and cpu_prefill.supports(query, softcap):
+        # every segment in one call, q/k/v read in place ([1, heads, T, D] views of [T, heads, D] rows)
+        out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        cpu_prefill.segment_attention(q, k, v, out, seg.seqs, scale, causal)
+        return out.unsqueeze(0), None
     gqa = query.shape[1] != key.shape[1]
     out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # [1, T, H, D]
     for start, n in seg.bounds:
@@ -220,7 +232,8 @@ class EncoderRunner:
         kwargs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids}
         if self.uses_token_types:
             kwargs["token_type_ids"] = torch.zeros_like(input_ids)  # one sentence per input: type 0
-        _local.segments = _Segments(bounds, self.loaded.is_causal)
+        seqs = cpu_prefill.segments_array(bounds) if self.device.type == "cpu" else None
+        _local.segments = _Segments(bounds, self.loaded.is_causal, seqs)
         try:
             hidden = self.model(**kwargs).last_hidden_state[0]  # [T, hidden]
         finally:

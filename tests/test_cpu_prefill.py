@@ -260,3 +260,44 @@ def test_cpu_prefill_on_amx_tiles_matches_the_vector_path(block_size, hkv, group
     err_vector = (vector.double() - want).abs().max().item()
     assert not tiles.isnan().any() and not vector.isnan().any()
     assert err_tiles <= max(1.5 * err_vector, 1e-2), (err_tiles, err_vector)
+
+
+SEGMENTS = [7, 130, 1, 64, 33, 200, 3]  # an encoder step's inputs: partial row blocks and key tiles
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hkv,groups,head_dim", [(12, 1, 32), (2, 3, 64)])
+@pytest.mark.parametrize("causal", [False, True])
+@needs_kernel
+@pytest.mark.usefixtures("kernel")
+def test_segment_attention_matches_sdpa_per_segment_and_never_mixes_segments(dtype, hkv, groups, head_dim, causal):
+    """A pooling step (``cpu_prefill.segment_attention``): each packed input attends its own keys only, all of
+    them for an encoder, up to itself for a decoder; q/k/v are [1, heads, T, D] views, as transformers hands
+    them over. Against SDPA per segment in float64; and a segment's rows have the same bits alone and packed
+    with the others (the embeddings' promise)."""
+    g = torch.Generator().manual_seed(5)
+    T, h = sum(SEGMENTS), hkv * groups
+    q = torch.randn(T, h * head_dim, generator=g).to(dtype).view(T, h, head_dim)
+    k = torch.randn(T, hkv * head_dim, generator=g).to(dtype).view(T, hkv, head_dim)
+    v = torch.randn(T, hkv * head_dim, generator=g).to(dtype).view(T, hkv, head_dim)
+    bounds = [(sum(SEGMENTS[:i]), n) for i, n in enumerate(SEGMENTS)]
+    scale = head_dim**-0.5 * 2
+    out = torch.full_like(q, float("nan"))
+    cpu_prefill.segment_attention(q, k, v, out, cpu_prefill.segments_array(bounds), scale, causal)
+    assert not out.isnan().any()
+    for start, n in bounds:
+        rows = slice(start, start + n)
+        qs, ks, vs = (x[rows].double().transpose(0, 1) for x in (q, k, v))
+        want = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, scale=scale, is_causal=causal, enable_gqa=groups > 1
+        ).transpose(0, 1)
+        err = (out[rows].double() - want).abs().max().item()
+        assert err < (2e-5 if dtype == torch.float32 else 3e-2), (start, n, err)
+        alone = torch.full_like(q[rows], float("nan"))
+        seqs = cpu_prefill.segments_array([(0, n)])
+        cpu_prefill.segment_attention(q[rows], k[rows], v[rows], alone, seqs, scale, causal)
+        assert torch.equal(alone, out[rows]), (start, n)
+    if not causal:  # the first row of a segment sees its later keys
+        causal_out = torch.empty_like(q)
+        cpu_prefill.segment_attention(q, k, v, causal_out, cpu_prefill.segments_array(bounds), scale, True)
+        assert (causal_out.double() - out.double()).abs().max().item() > 0.1

@@ -89,4 +89,26 @@ def prefill_attention(
     assert kernels is not None  # supports() said so
     seqs, tables = _step_arrays(md)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    kernels.prefill_attention(q, k, v, k_cache, v_cache, out, seqs, tables, float(scale), int(sliding_window or 0))
+    kernels.prefill_attention(
+        q, k, v, k_cache, v_cache, out, seqs, tables, float(scale), int(sliding_window or 0), True
+    )
+
+
+def segments_array(bounds: list[tuple[int, int]]) -> torch.Tensor:
+    """``segment_attention``'s ``seqs`` for inputs packed at (first row, rows): built once per step."""
+    return torch.tensor([[start, n, n, -1] for start, n in bounds], dtype=torch.long).view(-1, 4)
+
+
+def segment_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, seqs: torch.Tensor, scale: float, causal: bool
+) -> None:
+    """Attention within each packed segment, nothing cached (a pooling model's step): ``out`` rows of segment s
+    attend its own keys only, all of them (``causal=False``: encoders) or up to their own position. q, out:
+    [T, H, D]; k, v: [T, Hkv, D]; any strides with the last dimension contiguous; ``seqs`` from
+    ``segments_array``. A row's sums never depend on the other segments. Only for what ``supports`` accepts."""
+    kernels = cpu_kernels.load()
+    assert kernels is not None  # supports() said so
+    hkv, d = k.shape[1], k.shape[2]
+    none = q.new_empty(0, 1, hkv, d)  # no pool: every segment's keys are its own k/v rows
+    tables = torch.zeros(0, 1, dtype=torch.long)
+    kernels.prefill_attention(q, k, v, none, none, out, seqs, tables, float(scale), 0, causal)

@@ -48,7 +48,7 @@ bool fused_set_scalar(bool on);
 bool fused_vectorized();
 // prefill_attention.cpp
 void prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor kc, at::Tensor vc, at::Tensor out,
-                       at::Tensor seqs, at::Tensor tables, double scale, int64_t window);
+                       at::Tensor seqs, at::Tensor tables, double scale, int64_t window, bool causal);
 bool has_prefill_attention();
 bool prefill_set_amx(bool on);
 bool prefill_amx();

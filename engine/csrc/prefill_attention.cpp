@@ -14,6 +14,9 @@
 //     fp32 running max / sum, then O += P V in 6 x 64 register tiles, fp32 accumulators. Keys are
 //     visited in chunks of 8 tiles (all row blocks pass over a chunk while it is in L2).
 // Tasks differ in cost (causal), so they run largest first from a shared counter.
+// Not causal (an encoder's packed inputs, each a chunk of its own with nothing cached): every query of a chunk
+// sees all of its keys; a query row's sums are the same whatever else shares the call (rows never mix, keys are
+// visited in the same order), so an input gives the same bits alone and in a full step.
 
 namespace batchery_prefill {
 
@@ -83,6 +86,7 @@ inline __m512i load_units<c10::BFloat16, true>(const c10::BFloat16* row, int64_t
 template <typename T>
 struct Args {
   int64_t S, H, Hkv, G, D, bs, maxb, window;
+  bool causal;
   int64_t qs_t, qs_h, ks_t, ks_h, vs_t, vs_h, os_t, os_h;
   const T *q, *k, *v, *kc, *vc;
   T* out;
@@ -240,7 +244,7 @@ static void task_rows(const Args<T>& a, const Task& task, int64_t R, int64_t Rp,
       float* f = reinterpret_cast<float*>(qr);
       for (int64_t d = 0; d < D; ++d) f[d] = static_cast<float>(src[d]);
     }
-    const int64_t pos = ctx - q_len + i;
+    const int64_t pos = a.causal ? ctx - q_len + i : ctx - 1;  // not causal: it sees every key
     qpos[r] = pos;
     wlo[r] = a.window > 0 && pos - a.window + 1 > 0 ? pos - a.window + 1 : 0;
   }
@@ -438,7 +442,7 @@ static void attend(const Args<T>& a, const std::vector<SeqPack>& packs, const ui
       task_rows<T, BF>(a, task, R, Rp, qbuf.data(), qposbuf.data(), wlobuf.data(), obuf.data(), mbuf.data(),
                        lbuf.data());
       // keys this task needs: tiles tlo .. thi - 1
-      const int64_t first_lo = wlobuf[0], last_pos = ctx - q_len + task.i1 - 1;
+      const int64_t first_lo = wlobuf[0], last_pos = a.causal ? ctx - q_len + task.i1 - 1 : ctx - 1;
       const int64_t tlo = first_lo / TK, thi = last_pos / TK + 1;
       for (int64_t c0 = tlo; c0 < thi; c0 += CHUNK) {
         const int64_t c1 = std::min(thi, c0 + CHUNK);
@@ -548,7 +552,7 @@ static void run(const Args<T>& a) {
     const int64_t q_len = a.seqs[4 * s + 1], ctx = a.seqs[4 * s + 2];
     for (int64_t i0 = 0; i0 < q_len; i0 += qt) {
       const int64_t i1 = std::min(q_len, i0 + qt);
-      const double last = static_cast<double>(ctx - q_len + i1);
+      const double last = static_cast<double>(a.causal ? ctx - q_len + i1 : ctx);
       const double keys = a.window > 0 ? std::min<double>(last, a.window) : last;
       for (int64_t h = 0; h < a.Hkv; ++h) tasks.push_back({s, h, i0, i1, keys * (i1 - i0)});
     }
@@ -582,9 +586,10 @@ bool prefill_amx() {
 #endif
 }
 
-// out[t, h] = attention of q[t, h] for every prefill chunk in seqs; see batchery.engine.attention.cpu_prefill
+// out[t, h] = attention of q[t, h] for every prefill chunk in seqs; see batchery.engine.attention.cpu_prefill.
+// Not causal: each chunk attends all of its own keys (chunks with nothing cached only, no window).
 void prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor kc, at::Tensor vc, at::Tensor out,
-                       at::Tensor seqs, at::Tensor tables, double scale, int64_t window) {
+                       at::Tensor seqs, at::Tensor tables, double scale, int64_t window, bool causal) {
 #ifdef __AVX512F__
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.sizes() == q.sizes(), "prefill_attention: shapes");
   TORCH_CHECK(kc.dim() == 4 && kc.is_contiguous() && vc.is_contiguous() && vc.sizes() == kc.sizes(),
@@ -612,12 +617,15 @@ void prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor kc, 
                     : sp[4 * s + 3] < tables.size(0) && (sp[4 * s + 2] + kc.size(1) - 1) / kc.size(1) <= tables.size(1),
                 "prefill_attention: bad block table");
   }
+  TORCH_CHECK(causal || window <= 0, "prefill_attention: a window needs causal attention");
+  for (int64_t s = 0; s < S && !causal; ++s)
+    TORCH_CHECK(sp[4 * s + 3] < 0, "prefill_attention: non-causal chunks attend their own keys only");
   if (S == 0) return;
   auto fill = [&](auto* ptr) {
     using T = std::remove_pointer_t<decltype(ptr)>;
     batchery_prefill::Args<T> a;
     a.S = S, a.H = H, a.Hkv = Hkv, a.G = H / Hkv, a.D = D, a.bs = kc.size(1), a.maxb = tables.size(1);
-    a.window = window;
+    a.window = window, a.causal = causal;
     a.qs_t = q.stride(0), a.qs_h = q.stride(1), a.ks_t = k.stride(0), a.ks_h = k.stride(1);
     a.vs_t = v.stride(0), a.vs_h = v.stride(1), a.os_t = out.stride(0), a.os_h = out.stride(1);
     a.q = q.data_ptr<T>(), a.k = k.data_ptr<T>(), a.v = v.data_ptr<T>(), a.kc = kc.data_ptr<T>();
