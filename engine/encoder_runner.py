@@ -155,6 +155,7 @@ def load_encoder(config: EngineConfig) -> LoadedEncoder:
         # model (2-core EPYC, shared machine). fp32 stays on MKL: forcing the fp32 kernel at 1,000-row steps ran
         # 5x slower, so fp32 runs MKL on fixed row blocks instead (below). BATCHERY_CPU_KERNELS=0: torch
         fast_linear.install(model, max_rows=-1)
+        _install_fused_gelu(model)
     row_block = ROW_BLOCK if dev.type == "cpu" and dtype == torch.float32 else 0
     if row_block:
         for module in model.modules():
@@ -177,6 +178,33 @@ def load_encoder(config: EngineConfig) -> LoadedEncoder:
         time.perf_counter() - t0,
     )
     return LoadedEncoder(model, tokenizer, hf_config, pooler, dtype, dev, is_causal, config.model, row_block)
+
+
+def _install_fused_gelu(model: torch.nn.Module) -> int:
+    """bf16 on the CPU: each intermediate block whose activation is the exact GELU (BertIntermediate: ``dense`` then
+    ``intermediate_act_fn``) applies it in place on the projection's fresh output with ``cpu_fused.fused_gelu``, one
+    vectorized pass instead of torch's bf16 GELU (7% of a bf16 all-MiniLM-L6-v2 pass on the 2-core Zen 4 EPYC).
+    Returns how many blocks it took (0 without the kernels)."""
+    from transformers.activations import GELUActivation
+
+    from batchery.engine import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        return 0
+    count = 0
+    for module in model.modules():
+        act, dense = getattr(module, "intermediate_act_fn", None), getattr(module, "dense", None)
+        if type(act) is not GELUActivation or act.act is not F.gelu or not isinstance(dense, torch.nn.Linear):
+            continue
+
+        def forward(hidden_states: torch.Tensor, dense: torch.nn.Linear = dense) -> torch.Tensor:
+            h = dense(hidden_states)
+            return kernels.fused_gelu(h) if h.is_contiguous() else F.gelu(h)
+
+        module.forward = forward  # type: ignore[method-assign]
+        count += 1
+    return count
 
 
 def _blocked_linear(module: torch.nn.Linear) -> Any:

@@ -161,6 +161,28 @@ def test_silu_mul_matches_llama_mlp_activation(kernel, path, dtype, n):
         _close(got, ref, max_ulps=1, frac=1e-3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 15, 17, 1000, 300 * 1536])
+@torch.inference_mode()
+def test_gelu_matches_torch_within_a_step_and_beats_it_against_float64(kernel, path, dtype, n):
+    """``fused_gelu`` (the encoders' BertIntermediate activation, erf form) in place: fp32 within an ulp or so of
+    torch's; bf16 equal to the float64 GELU rounded once wherever x > -3, and elsewhere (tiny results) no further from
+    it than torch's own bf16 GELU; over- and underflowing inputs stay finite."""
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=g) * 4).to(dtype)
+    x[:4] = torch.tensor([-100.0, 100.0, 0.0, -3.0])[: min(n, 4)]
+    exact, ref, xin = F.gelu(x.double()), F.gelu(x), x.clone()
+    got = kernel.fused_gelu(x)
+    assert got.data_ptr() == x.data_ptr() and got.isfinite().all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=2e-6, atol=2e-6)
+        return
+    fair = xin > -3  # below, GELU is under 0.004 in size and both polynomials are off by more than bf16's steps
+    assert torch.equal(got[fair], exact.to(torch.bfloat16)[fair])
+    far_ours, far_torch = (got.double() - exact).abs().max(), (ref.double() - exact).abs().max()
+    assert far_ours <= far_torch + 1e-12, (far_ours, far_torch)
+
+
 def _bf16_with_specials(shape: tuple[int, ...], g: torch.Generator, scale: float = 1.0) -> torch.Tensor:
     """Random bf16 values with NaNs, zeros, infinities and bf16 denormals put at random places (one element in 97),
     so that some 16-lane vectors hold them and most do not."""

@@ -23,6 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", torch::wrap_pybind_function(fused_add_rms_norm), "fused_add_rms_norm");
   m.def("fused_rope", torch::wrap_pybind_function(fused_rope), "fused_rope");
   m.def("fused_silu_mul", torch::wrap_pybind_function(fused_silu_mul), "fused_silu_mul");
+  m.def("fused_gelu", torch::wrap_pybind_function(fused_gelu), "fused_gelu");
   m.def("fused_set_scalar", torch::wrap_pybind_function(fused_set_scalar), "fused_set_scalar");
   m.def("fused_vectorized", torch::wrap_pybind_function(fused_vectorized), "fused_vectorized");
   m.def("prefill_attention", torch::wrap_pybind_function(prefill_attention), "prefill_attention");

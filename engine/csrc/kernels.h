@@ -44,6 +44,7 @@ at::Tensor fused_rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor fused_add_rms_norm(at::Tensor residual, at::Tensor x, at::Tensor weight, double eps);
 void fused_rope(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
 at::Tensor fused_silu_mul(at::Tensor gate, at::Tensor up);
+at::Tensor fused_gelu(at::Tensor x);
 bool fused_set_scalar(bool on);
 bool fused_vectorized();
 // prefill_attention.cpp

@@ -1,4 +1,5 @@
 #include "amx.h"
+#include "bf16.h"
 #include "kernels.h"
 #include "vec_math.h"
 
@@ -299,6 +300,44 @@ static inline void softmax_row(const float* srow, uint32_t* prow, int64_t kbase,
   }
 }
 
+// Not causal, all of a chunk's n keys at once (at most FULL_TILES tiles): one row's exact softmax, two passes over its
+// scores (the max, then exp and the sum) instead of a running max and rescale per key tile. s: the row's scores, tile t
+// at s + t * s_tile; p: its probabilities (BF: bf16 pairs, else floats) in the layout softmax_row writes, tile t at
+// p + t * p_tile, zero past the n keys in the last tile's 16-key vectors. Returns the row's sum of probabilities.
+constexpr int64_t FULL_TILES = 16;  // up to 1,024 keys: longer chunks keep the online softmax
+template <bool BF>
+static inline float softmax_full_row(const float* s, uint32_t* p, int64_t s_tile, int64_t p_tile, int64_t n,
+                                     float scale) {
+  const int64_t nv = (n + 15) / 16;
+  const auto mask_of = [&](int64_t v) -> __mmask16 {
+    const int64_t left = n - 16 * v;
+    return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+  };
+  __m512 vm = _mm512_set1_ps(-INFINITY);
+  for (int64_t v = 0; v < nv; ++v)
+    vm = _mm512_mask_max_ps(vm, mask_of(v), vm, _mm512_loadu_ps(s + (v / 4) * s_tile + 16 * (v % 4)));
+  const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(vm) * scale), sc = _mm512_set1_ps(scale);  // scale > 0
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t v = 0; v < nv; v += 2) {  // two 16-key vectors: one zmm of bf16 pairs
+    const float* src = s + (v / 4) * s_tile + 16 * (v % 4);
+    const __m512 e0 = _mm512_maskz_mov_ps(mask_of(v), ::exp16(_mm512_fmsub_ps(_mm512_loadu_ps(src), sc, mv)));
+    const __m512 e1 = v + 1 < nv ? _mm512_maskz_mov_ps(mask_of(v + 1),
+                                                       ::exp16(_mm512_fmsub_ps(_mm512_loadu_ps(src + 16), sc, mv)))
+                                 : _mm512_setzero_ps();
+    sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+    uint32_t* dst = p + (v / 4) * p_tile;
+    if (BF) {
+#ifdef __AVX512BF16__
+      _mm512_storeu_si512(dst + 8 * (v % 4), (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+#endif
+    } else {
+      _mm512_storeu_ps(reinterpret_cast<float*>(dst) + 16 * (v % 4), e0);
+      _mm512_storeu_ps(reinterpret_cast<float*>(dst) + 16 * (v % 4) + 16, e1);
+    }
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
 // The key tiles t0 .. t1 - 1 of the chunk [c0, c1) that a block of n rows sees (a padding row's qpos is -1), and
 // hi, one past the last key any of them sees
 static inline void block_tiles(const int64_t* qpos, const int64_t* wlo, int n, int64_t c0, int64_t c1, int64_t& t0,
@@ -323,7 +362,18 @@ static void write_rows(const Args<T>& a, const Task& task, int64_t R, const floa
     T* dst = a.out + (q_start + i) * a.os_t + hq * a.os_h;
     const float inv = lbuf[r] > 0.f ? 1.f / lbuf[r] : 0.f;
     const float* o = obuf + r * D;
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d] * inv);
+    if constexpr (std::is_same_v<T, float>) {
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(inv)));
+    } else {
+#ifdef __AVX512BF16__
+      for (int64_t d = 0; d < D; d += 16)  // c10::BFloat16's rounding (to nearest even, a NaN 0x7FC0), 16 lanes
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                            bf16_round16<0x7FC0>(_mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(inv))));
+#else
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d] * inv);
+#endif
+    }
   }
 }
 
@@ -429,7 +479,14 @@ static void attend(const Args<T>& a, const std::vector<SeqPack>& packs, const ui
     std::vector<int64_t> qposbuf(rpad), wlobuf(rpad);
     alignas(64) float sbuf[RB * TK];
     alignas(64) uint32_t pbuf[RB * TK];
-    float alpha[RB];
+    float alpha[RB], ones[RB];
+    std::fill(ones, ones + RB, 1.f);
+    constexpr int64_t PS = BF ? TK / 2 : TK;  // a probability row of a key tile, in 32-bit units
+    // not causal: a row block's scores and probabilities over every key tile of its chunk (softmax_full_row)
+    std::vector<float> sfull(a.causal ? 0 : FULL_TILES * RB * TK + 16);
+    std::vector<uint32_t> pfull(a.causal ? 0 : FULL_TILES * RB * PS + 16);
+    float* sf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sfull.data()) + 63) & ~uintptr_t(63));
+    uint32_t* pf = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(pfull.data()) + 63) & ~uintptr_t(63));
     float* pv = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(pvbuf.data()) + 63) & ~uintptr_t(63));
     for (int64_t ti; (ti = next.fetch_add(1)) < ntasks;) {
       const Task& task = tasks[ti];
@@ -441,6 +498,38 @@ static void attend(const Args<T>& a, const std::vector<SeqPack>& packs, const ui
       const uint32_t* vp0 = vbuf + (sp.base + task.h * sp.nt) * tile_units;
       task_rows<T, BF>(a, task, R, Rp, qbuf.data(), qposbuf.data(), wlobuf.data(), obuf.data(), mbuf.data(),
                        lbuf.data());
+      if (!a.causal && (ctx + TK - 1) / TK <= FULL_TILES) {  // every row sees all ctx keys: exact softmax
+        const int64_t nt = (ctx + TK - 1) / TK;
+        for (int64_t r0 = 0; r0 < R; r0 += RB) {
+          const uint32_t* qr = qbuf.data() + r0 * C;
+          float* o = obuf.data() + r0 * D;
+          for (int64_t t = 0; t < nt; ++t) {
+            const int nvk = static_cast<int>(std::min<int64_t>(TK, ctx - t * TK) + 15) / 16;
+#ifdef BATCHERY_AMX
+            if constexpr (AMX) amx_qk(qr, kt0 + t * tile_units, sf + t * RB * TK, C, nvk);
+#endif
+            if constexpr (!AMX) qk_dispatch<BF>(nvk, qr, kt0 + t * tile_units, sf + t * RB * TK, C);
+          }
+          for (int i = 0; i < RB; ++i)
+            lbuf[r0 + i] = softmax_full_row<BF>(sf + i * TK, pf + i * PS, RB * TK, RB * PS, ctx, a.scale);
+          for (int64_t t = 0; t < nt; ++t) {
+            const int nvk = static_cast<int>(std::min<int64_t>(TK, ctx - t * TK) + 15) / 16;
+            const uint32_t* vp = vp0 + t * tile_units;
+            const uint32_t* pt = pf + t * RB * PS;
+#ifdef BATCHERY_AMX
+            if constexpr (AMX) amx_pv(pt, vp, o, ones, pv, D, nvk);
+#endif
+            if constexpr (!AMX) {
+              const int64_t nk = BF ? nvk * 8 : nvk * 16;
+              int64_t d0 = 0;
+              for (; d0 + 64 <= D; d0 += 64) pv_tile<BF, 4>(pt, vp + d0, o + d0, ones, D, nk);
+              if (d0 < D) pv_tile<BF, 2>(pt, vp + d0, o + d0, ones, D, nk);
+            }
+          }
+        }
+        write_rows(a, task, R, obuf.data(), lbuf.data());
+        continue;
+      }
       // keys this task needs: tiles tlo .. thi - 1
       const int64_t first_lo = wlobuf[0], last_pos = a.causal ? ctx - q_len + task.i1 - 1 : ctx - 1;
       const int64_t tlo = first_lo / TK, thi = last_pos / TK + 1;
@@ -498,10 +587,15 @@ static void run(const Args<T>& a) {
     total += packs[s].nt * a.Hkv;
   }
   const int64_t C = BF ? a.D / 2 : a.D, tile_units = TK * C;
-  at::Tensor kbuf = at::empty({total * tile_units}, at::TensorOptions().dtype(at::kInt));
-  at::Tensor vbuf = at::empty({total * tile_units}, at::TensorOptions().dtype(at::kInt));
-  uint32_t* kb = reinterpret_cast<uint32_t*>(kbuf.data_ptr<int32_t>());
-  uint32_t* vb = reinterpret_cast<uint32_t*>(vbuf.data_ptr<int32_t>());
+  // the packed tiles, in buffers kept per calling thread and grown to the largest step: a fresh allocation of this size
+  // is mapped anew and page-faulted in on every layer's call (several MB a call; a sixth of an encoder layer's time)
+  thread_local std::vector<uint32_t> kbuf, vbuf;
+  if (kbuf.size() < static_cast<size_t>(total * tile_units)) {
+    kbuf.assign(total * tile_units, 0u);
+    vbuf.assign(total * tile_units, 0u);
+  }
+  uint32_t* kb = kbuf.data();
+  uint32_t* vb = vbuf.data();
   // one pack task per (sequence, tile), all its KV heads: the rows of a tile are read front to back
   std::vector<int64_t> seq_of, tile_of;
   for (int64_t s = 0; s < a.S; ++s)
