@@ -202,7 +202,7 @@ def _install_fused_gelu(model: torch.nn.Module) -> int:
             h = dense(hidden_states)
             return kernels.fused_gelu(h) if h.is_contiguous() else F.gelu(h)
 
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward
         count += 1
     return count
 

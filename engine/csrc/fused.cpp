@@ -268,7 +268,8 @@ void silu_mul(T* g, const T* u, int64_t n) {
 #ifdef __AVX512F__
 inline __m512 vgelu(__m512 x) {
   const __m512 z = _mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(0.70710678118654752f));
-  const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(z, _mm512_set1_ps(0.3275911f), _mm512_set1_ps(1.f)));
+  const __m512 t =
+      _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(z, _mm512_set1_ps(0.3275911f), _mm512_set1_ps(1.f)));
   __m512 p = _mm512_set1_ps(1.061405429f);
   p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.453152027f));
   p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.421413741f));

@@ -321,9 +321,9 @@ static inline float softmax_full_row(const float* s, uint32_t* p, int64_t s_tile
   for (int64_t v = 0; v < nv; v += 2) {  // two 16-key vectors: one zmm of bf16 pairs
     const float* src = s + (v / 4) * s_tile + 16 * (v % 4);
     const __m512 e0 = _mm512_maskz_mov_ps(mask_of(v), ::exp16(_mm512_fmsub_ps(_mm512_loadu_ps(src), sc, mv)));
-    const __m512 e1 = v + 1 < nv ? _mm512_maskz_mov_ps(mask_of(v + 1),
-                                                       ::exp16(_mm512_fmsub_ps(_mm512_loadu_ps(src + 16), sc, mv)))
-                                 : _mm512_setzero_ps();
+    const __m512 e1 =
+        v + 1 < nv ? _mm512_maskz_mov_ps(mask_of(v + 1), ::exp16(_mm512_fmsub_ps(_mm512_loadu_ps(src + 16), sc, mv)))
+                   : _mm512_setzero_ps();
     sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
     uint32_t* dst = p + (v / 4) * p_tile;
     if (BF) {
