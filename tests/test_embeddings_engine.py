@@ -95,6 +95,33 @@ def test_alone_equals_in_a_full_step(llm32):
         assert alone.embedding == full[i].embedding, i  # bit for bit (fp32)
 
 
+def test_bf16_alone_equals_in_a_full_step_and_the_cpu_kernel_attends(monkeypatch):
+    """bf16 too: our linears' sums and the attention kernel's rows never depend on the step, so an input gives the
+    same bits alone and packed. Where the CPU prefill kernel is built (AVX-512) every layer's attention of a step is
+    one call of it (``cpu_prefill.segment_attention``), not a silent fallback to SDPA per input."""
+    from batchery.engine.attention import cpu_prefill
+
+    calls: list[int] = []
+    real = cpu_prefill.segment_attention
+
+    def counted(q, k, v, out, seqs, scale, causal):
+        calls.append(seqs.shape[0])
+        assert not causal  # an encoder attends both ways
+        return real(q, k, v, out, seqs, scale, causal)
+
+    monkeypatch.setattr(cpu_prefill, "segment_attention", counted)
+    llm = LLM(EMBEDDING_MODEL, dtype="bfloat16", device="cpu")
+    texts = _texts(48, seed=4)
+    full = llm.embed(texts)
+    for i in (0, 21, 47):
+        assert llm.embed(texts[i])[0].embedding == full[i].embedding, i
+    if cpu_prefill.available():
+        layers = llm.engine.runner.loaded.hf_config.num_hidden_layers
+        assert len(calls) == layers * llm.engine.num_steps and max(calls) > 1
+    else:
+        assert calls == []
+
+
 def test_token_ids_and_text_agree(llm32):
     text = "Embeddings from token ids"
     ids = llm32.engine.encode(text)
