@@ -459,6 +459,32 @@ static inline void amx_pv(const uint32_t* pbuf, const uint32_t* vp, float* o, co
 }
 #endif
 
+// S [RB][64] = a row block's queries qr . the first 16 * nvk keys of a packed K tile: on AMX tiles (RB 16) or in
+// vector registers (RB MR)
+template <bool BF, bool AMX>
+static inline void qk_block(const uint32_t* qr, const uint32_t* kt, float* s, int64_t C, int nvk) {
+#ifdef BATCHERY_AMX
+  if constexpr (AMX) amx_qk(qr, kt, s, C, nvk);
+#endif
+  if constexpr (!AMX) qk_dispatch<BF>(nvk, qr, kt, s, C);
+}
+
+// O [RB][D] = O * alpha + P [RB][keys] . V, the keys the first 16 * nvk of a packed V tile; pv: amx_pv's buffer
+template <bool BF, bool AMX>
+static inline void pv_block(const uint32_t* p, const uint32_t* vp, float* o, const float* alpha, float* pv, int64_t D,
+                            int nvk) {
+#ifdef BATCHERY_AMX
+  if constexpr (AMX) amx_pv(p, vp, o, alpha, pv, D, nvk);
+#endif
+  if constexpr (!AMX) {
+    (void)pv;
+    const int64_t nk = BF ? nvk * 8 : nvk * 16;
+    int64_t d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64) pv_tile<BF, 4>(p, vp + d0, o + d0, alpha, D, nk);
+    if (d0 < D) pv_tile<BF, 2>(p, vp + d0, o + d0, alpha, D, nk);
+  }
+}
+
 // AMX: the products on tiles, 16 query rows a block (BF only, where BATCHERY_AMX is built); else MR rows a block
 // in vector registers
 template <typename T, bool BF, bool AMX>
@@ -500,32 +526,18 @@ static void attend(const Args<T>& a, const std::vector<SeqPack>& packs, const ui
                        lbuf.data());
       if (!a.causal && (ctx + TK - 1) / TK <= FULL_TILES) {  // every row sees all ctx keys: exact softmax
         const int64_t nt = (ctx + TK - 1) / TK;
+        const auto tile_nvk = [&](int64_t t) {
+          return static_cast<int>(std::min<int64_t>(TK, ctx - t * TK) + 15) / 16;
+        };
         for (int64_t r0 = 0; r0 < R; r0 += RB) {
           const uint32_t* qr = qbuf.data() + r0 * C;
           float* o = obuf.data() + r0 * D;
-          for (int64_t t = 0; t < nt; ++t) {
-            const int nvk = static_cast<int>(std::min<int64_t>(TK, ctx - t * TK) + 15) / 16;
-#ifdef BATCHERY_AMX
-            if constexpr (AMX) amx_qk(qr, kt0 + t * tile_units, sf + t * RB * TK, C, nvk);
-#endif
-            if constexpr (!AMX) qk_dispatch<BF>(nvk, qr, kt0 + t * tile_units, sf + t * RB * TK, C);
-          }
+          for (int64_t t = 0; t < nt; ++t)
+            qk_block<BF, AMX>(qr, kt0 + t * tile_units, sf + t * RB * TK, C, tile_nvk(t));
           for (int i = 0; i < RB; ++i)
             lbuf[r0 + i] = softmax_full_row<BF>(sf + i * TK, pf + i * PS, RB * TK, RB * PS, ctx, a.scale);
-          for (int64_t t = 0; t < nt; ++t) {
-            const int nvk = static_cast<int>(std::min<int64_t>(TK, ctx - t * TK) + 15) / 16;
-            const uint32_t* vp = vp0 + t * tile_units;
-            const uint32_t* pt = pf + t * RB * PS;
-#ifdef BATCHERY_AMX
-            if constexpr (AMX) amx_pv(pt, vp, o, ones, pv, D, nvk);
-#endif
-            if constexpr (!AMX) {
-              const int64_t nk = BF ? nvk * 8 : nvk * 16;
-              int64_t d0 = 0;
-              for (; d0 + 64 <= D; d0 += 64) pv_tile<BF, 4>(pt, vp + d0, o + d0, ones, D, nk);
-              if (d0 < D) pv_tile<BF, 2>(pt, vp + d0, o + d0, ones, D, nk);
-            }
-          }
+          for (int64_t t = 0; t < nt; ++t)
+            pv_block<BF, AMX>(pf + t * RB * PS, vp0 + t * tile_units, o, ones, pv, D, tile_nvk(t));
         }
         write_rows(a, task, R, obuf.data(), lbuf.data());
         continue;
@@ -544,23 +556,11 @@ static void attend(const Args<T>& a, const std::vector<SeqPack>& packs, const ui
             const int nvk = static_cast<int>(std::min<int64_t>(TK, hi - kbase) + 15) / 16;
             const uint32_t* kt = kt0 + (t - sp.t0) * tile_units;
             const uint32_t* vp = vp0 + (t - sp.t0) * tile_units;
-            float* o = obuf.data() + r0 * D;
-#ifdef BATCHERY_AMX
-            if constexpr (AMX) amx_qk(qr, kt, sbuf, C, nvk);
-#endif
-            if constexpr (!AMX) qk_dispatch<BF>(nvk, qr, kt, sbuf, C);
+            qk_block<BF, AMX>(qr, kt, sbuf, C, nvk);
             for (int i = 0; i < RB; ++i)  // online softmax, row by row
-              softmax_row<BF>(sbuf + i * TK, pbuf + i * (BF ? TK / 2 : TK), kbase, nvk, qposbuf[r0 + i], wlobuf[r0 + i],
-                              a.scale, mbuf[r0 + i], lbuf[r0 + i], alpha[i]);
-#ifdef BATCHERY_AMX
-            if constexpr (AMX) amx_pv(pbuf, vp, o, alpha, pv, D, nvk);
-#endif
-            if constexpr (!AMX) {
-              const int64_t nk = BF ? nvk * 8 : nvk * 16;
-              int64_t d0 = 0;
-              for (; d0 + 64 <= D; d0 += 64) pv_tile<BF, 4>(pbuf, vp + d0, o + d0, alpha, D, nk);
-              if (d0 < D) pv_tile<BF, 2>(pbuf, vp + d0, o + d0, alpha, D, nk);
-            }
+              softmax_row<BF>(sbuf + i * TK, pbuf + i * PS, kbase, nvk, qposbuf[r0 + i], wlobuf[r0 + i], a.scale,
+                              mbuf[r0 + i], lbuf[r0 + i], alpha[i]);
+            pv_block<BF, AMX>(pbuf, vp, obuf.data() + r0 * D, alpha, pv, D, nvk);
           }
         }
       }
