@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -139,7 +140,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
-        if any(not isinstance(t, int) or not 0 <= t < self.runner.vocab_size for t in prompt_token_ids):
+        if not all(map(isinstance, prompt_token_ids, repeat(int))) or not (
+            0 <= min(prompt_token_ids) and max(prompt_token_ids) < self.runner.vocab_size
+        ):
             raise ValueError(f"prompt token ids must be integers in [0, {self.runner.vocab_size})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise PromptTooLong(

@@ -71,8 +71,11 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        keys = [s.sort_key() for s in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, seq.sort_key()), seq)
+        key = seq.sort_key()
+        if not self.waiting or self.waiting[-1].sort_key() <= key:
+            self.waiting.append(seq)  # the common case: arrivals in order
+        else:
+            self.waiting.insert(bisect.bisect_right(self.waiting, key, key=Sequence.sort_key), seq)
         if seq.isolated and seq not in self.isolated:
             self.isolated.append(seq)
 

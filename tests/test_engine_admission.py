@@ -62,6 +62,16 @@ def test_stop_token_ids_beyond_the_vocabulary_fail_that_request_alone(llm, engin
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+@pytest.mark.parametrize("bad", [[-1], "vocab", [1, 2.0], [1, None], ["3"]])
+def test_a_prompt_token_beyond_the_vocabulary_or_not_an_integer_is_refused_by_name(engine, bad):
+    vocab = engine.runner.vocab_size
+    ids = [5, vocab, 7] if bad == "vocab" else [5, *bad]
+    with pytest.raises(ValueError, match=rf"prompt token ids must be integers in \[0, {vocab}\)"):
+        engine.add_request("bad-ids", ids, SamplingParams(max_tokens=1))
+    engine.add_request("good-ids", [5, vocab - 1, 0, True], SamplingParams(max_tokens=1))  # bool is an int
+    assert [o.request_id for o in drain(engine)] == ["good-ids"]
+
+
 @pytest.mark.parametrize("top_k", [2**63 + 5, 10**30])
 def test_top_k_above_the_vocabulary_means_the_whole_vocabulary(llm, engine, top_k):
     huge = SamplingParams(max_tokens=5, temperature=0.8, top_k=top_k, seed=3, ignore_eos=True)

@@ -162,6 +162,27 @@ def test_priority_ordering_lower_value_first_then_fcfs():
     assert sim.finished == ["neg", "p0-first", "p0-second", "p1", "p2"]
 
 
+def test_queueing_many_requests_compares_keys_a_logarithmic_number_of_times(monkeypatch):
+    """``add`` keeps ``waiting`` sorted without reading every waiting sequence's key: 20,000 requests
+    queued one by one (an offline ``LLM.chat`` call, a worker's backlog) once cost 200 million key
+    reads. In order, out of order and by priority, the queue is what a full sort gives."""
+    calls = 0
+    key = Sequence.sort_key
+
+    def counted(self):
+        nonlocal calls
+        calls += 1
+        return key(self)
+
+    monkeypatch.setattr(Sequence, "sort_key", counted)
+    sim = Sim(64, max_num_seqs=1)
+    n = 20_000
+    for i in range(n):  # arrivals in order, then some late ones (earlier arrival times) and priorities
+        sim.add(f"r{i}", [1], max_tokens=1, priority=(i * 7919) % 3 if i % 5 == 0 else 1, arrival=float(i % 4000 + i))
+    assert calls < 40 * n
+    assert [s.sort_key() for s in sim.sched.waiting] == sorted(key(s) for s in sim.seqs.values())
+
+
 def test_head_of_line_waits_when_blocks_are_short():
     """A waiting sequence that does not fit blocks the queue (no skipping ahead out of order)."""
     sim = Sim(4, max_num_seqs=8)
