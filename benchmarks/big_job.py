@@ -22,6 +22,7 @@ this venv: that is how the figures of an older tree are measured in the same run
     .venv/bin/python benchmarks/big_job.py --lines 100000,1000000 --maxmemory 64mb
     .venv/bin/python benchmarks/big_job.py --lines 20000 --tree /tmp/old         # an older tree, same machine
     .venv/bin/python benchmarks/big_job.py --lines 100000 --fault kill-holder    # exactly once through a fault
+    .venv/bin/python benchmarks/big_job.py --lines 1000000 --via-serve           # batchery serve + openai SDK, its RSS
 """
 
 from __future__ import annotations
@@ -293,6 +294,63 @@ class Fault:
         return f"{self.note}, {self.done_at - t0:.1f} s in; the last output file {self.recovery_s:.1f} s later"
 
 
+class Serve:
+    """``batchery serve`` from ``tree`` on a free port, in a process of its own, with an API key, the benchmark's
+    Redis, queue and store, and an upload limit above the file's size (OpenAI's 200 MB is the default)."""
+
+    def __init__(self, env: dict, tree: Path, workdir: Path) -> None:
+        self.port, self.key = free_port(), "bigjob-" + os.urandom(6).hex()
+        self.env = dict(
+            env,
+            BATCHERY_API__KEYS=self.key,
+            BATCHERY_API__STORAGE_DIR=str(workdir / "files"),
+            BATCHERY_API__MAX_FILE_BYTES=str(4 << 30),
+        )
+        self.tree, self.log = tree, workdir / "serve.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 120.0) -> None:
+        import openai
+
+        with open(self.log, "wb") as f:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "batchery", "serve", "--host", "127.0.0.1", "--port", str(self.port)],
+                cwd=self.tree,
+                env=self.env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.client().batches.list(limit=1)
+                return
+            except openai.APIConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"batchery serve did not start; see {self.log}") from None
+                time.sleep(0.2)
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=self.key, max_retries=2, timeout=3600)
+
+    def peak_rss(self) -> int:
+        """The server's peak resident set (``VmHWM``), in bytes."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
 def run_jobs(args, n: int, model: Path, workdir: Path, tree: Path) -> dict:
     red = Redis(workdir, args.maxmemory, aof=args.fault == "redis-restart")
     queue = f"bigjob-{os.getpid()}"
@@ -325,6 +383,7 @@ def run_jobs(args, n: int, model: Path, workdir: Path, tree: Path) -> dict:
         size = write_input(path, n, prefix=f"j{j}", seed=j)
         inputs.append((path, size, f"j{j}"))
     workers = [] if args.no_workers else start_workers(args.workers, env, tree, workdir)
+    serve: Serve | None = None
     sampler = Sampler(red, "batchery:batch")
     sampler.start()
     result: dict = {"lines": n, "jobs": args.jobs, "file_mb": inputs[0][1] / 1e6, "baseline": red.baseline}
@@ -334,6 +393,9 @@ def run_jobs(args, n: int, model: Path, workdir: Path, tree: Path) -> dict:
         threads, outcomes = [], {}
 
         def one(path: Path, prefix: str) -> None:
+            if serve is not None:
+                via_serve(serve, path, prefix)
+                return
             rc, out, err, mem = run_cli(["batch", "submit", str(path), "--json"], env, tree)
             if rc != 0:
                 outcomes[prefix] = f"submit exited {rc}: {err[-2000:]}"
@@ -358,6 +420,30 @@ def run_jobs(args, n: int, model: Path, workdir: Path, tree: Path) -> dict:
                 return
             outcomes[prefix].update(done_s=time.monotonic() - t0, out=dest)
 
+        def via_serve(srv: Serve, path: Path, prefix: str) -> None:
+            """What an OpenAI SDK user does: upload, create the batch, poll it, download the output file."""
+            client = srv.client()
+            with open(path, "rb") as f:  # httpx streams the file object
+                up = client.files.create(file=(path.name, f), purpose="batch")
+            batch = client.batches.create(input_file_id=up.id, endpoint="/v1/chat/completions", completion_window="24h")
+            sampler.jobs.append(batch.id)
+            outcomes[prefix] = {"submitted_s": time.monotonic() - t0, "job": batch.id}
+            while batch.status not in ("completed", "failed", "expired", "cancelled"):
+                time.sleep(1.0)
+                batch = client.batches.retrieve(batch.id)
+            if batch.status != "completed" or not batch.output_file_id:
+                outcomes[prefix] = f"batch ended {batch.status}: {batch.errors}"
+                return
+            dest = workdir / f"out-{prefix}.jsonl"
+            with client.files.with_streaming_response.content(batch.output_file_id) as resp, open(dest, "wb") as f:
+                for piece in resp.iter_bytes(1 << 20):
+                    f.write(piece)
+            outcomes[prefix].update(done_s=time.monotonic() - t0, out=dest)
+
+        serve = Serve(env, tree, workdir) if args.via_serve else None
+        if serve is not None:
+            serve.start()
+            t0 = time.monotonic()  # from the first upload, as the CLI's clock starts at its first submit
         for path, _, prefix in inputs:
             t = threading.Thread(target=one, args=(path, prefix))
             t.start()
@@ -378,6 +464,8 @@ def run_jobs(args, n: int, model: Path, workdir: Path, tree: Path) -> dict:
                 )
         wall = time.monotonic() - t0
         sampler.stop()
+        if serve is not None:
+            rss["serve (VmHWM)"] = serve.peak_rss()
         for prefix, o in outcomes.items():
             if isinstance(o, str):
                 raise SystemExit(f"job {prefix}: {o}")
@@ -397,6 +485,8 @@ def run_jobs(args, n: int, model: Path, workdir: Path, tree: Path) -> dict:
             result["used_after_submit"] = red.used() - red.baseline
     finally:
         sampler.stop()
+        if serve is not None:
+            serve.stop()
         stop_workers(workers)
         red.stop()
     return result
@@ -438,6 +528,12 @@ def main() -> int:
         "--fault", choices=("kill-worker", "kill-holder", "redis-restart"), help="one fault mid-job (see Fault)"
     )
     ap.add_argument("--json", action="store_true", help="also print each size's figures as a JSON line")
+    ap.add_argument(
+        "--via-serve",
+        action="store_true",
+        help="run the jobs through `batchery serve` with the openai SDK (upload, create, poll, download) instead of "
+        "the CLI; prints the server's peak RSS",
+    )
     ap.add_argument("--fault-at", type=float, default=0.3, metavar="F", help="when F of the lines are recorded")
     args = ap.parse_args()
     tree = Path(args.tree).resolve()
