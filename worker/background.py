@@ -1,8 +1,9 @@
 """The worker's background chores, each a daemon thread started once the worker consumes and stopped when it
 stops: its presence announcement (``batchery.broker.presence``), lost-line recovery
-(``batchery.jobs.recover.recover_queue``), big jobs' feeders (``batchery.jobs.feeder``) and prefix affinity's
-registry and clean-up (``batchery.broker.affinity``). None ever stops the worker: a failure is logged once when it
-starts and once when it ends (a Redis outage is quiet beyond that), and the chore goes on."""
+(``batchery.jobs.recover.recover_queue``), the sweep for dead workers' messages (``batchery.broker.orphans``), big
+jobs' feeders (``batchery.jobs.feeder``) and prefix affinity's registry and clean-up (``batchery.broker.affinity``).
+None ever stops the worker: a failure is logged once when it starts and once when it ends (a Redis outage is quiet
+beyond that), and the chore goes on."""
 
 from __future__ import annotations
 
@@ -173,6 +174,22 @@ def lost_line_recovery(settings: Settings) -> Periodic:
     )
 
 
+def orphan_sweeper(settings: Settings, hostname: str) -> Periodic:
+    """Every few seconds: give the messages of the worker's queue held by workers gone from presence back to the
+    queue, once delivered ``BATCHERY_ORPHAN_GRACE`` seconds ago (``batchery.broker.orphans``)."""
+    from batchery.broker import orphans
+
+    grace = settings.orphan_grace
+    sweeper = orphans.Orphans(
+        redis_from_url(settings.broker_url),
+        str(settings.queue),
+        hostname,
+        confirm_s=min(orphans.CONFIRM_S, grace / 2),
+        grace_s=grace,
+    )
+    return Periodic("orphan sweeper", min(orphans.SWEEP_EVERY_S, grace / 4), sweeper.sweep, jitter=0.2)
+
+
 def big_job_feeders(settings: Settings, app) -> Periodic:
     """Every second: feed on the big jobs of the worker's queue whose submitter handed them off or died
     (``batchery.jobs.feeder``)."""
@@ -224,6 +241,8 @@ def start_background(settings: Settings, hostname: str, affinity=None, app=None,
         makers.append(lambda: prefix_affinity(affinity))
     if settings.recovery_interval > 0:
         makers.append(lambda: lost_line_recovery(settings))
+    if settings.orphan_grace > 0:
+        makers.append(lambda: orphan_sweeper(settings, hostname))
     chores = []
     for make in makers:
         try:

@@ -1,5 +1,16 @@
-"""A work-around for a kombu/Celery bug that kills a worker when its Redis restarts. Applied by the
-worker entry point (``apply()``), never at import.
+"""Two changes to kombu's Redis transport, applied by the worker entry point (``apply()``), never at import: a
+work-around for a kombu/Celery bug that kills a worker when its Redis restarts, and a record of which worker holds
+each unacknowledged message (``record_holders``).
+
+**Holders.** Next to its ``unacked`` record of a message, the worker's channel records the worker's hostname
+(``batchery.broker.orphans.OWNERS_KEY``), and drops it in the same pipeline that drops kombu's record
+(acknowledgement, rejection, restore). A worker that dies leaves the record behind, and the other workers give its
+messages back once it has left the workers' presence, instead of after the visibility timeout (see
+``batchery.broker.orphans``). The record comes right after kombu's (a second round trip a message: a chunk of
+lines on big jobs), so a worker that dies between the two leaves a message only the visibility timeout restores, as
+before.
+
+**Redis restarts.**
 
 Celery 5.7's consumer, on losing the broker connection, first ``collect()``s the connection
 (which detaches the transport: ``transport.client = None``) and then ``close()``s it. With Redis
@@ -37,3 +48,29 @@ def apply() -> None:
 
     _connparams.batchery_patched = True
     kombu_redis.Channel._connparams = _connparams
+
+
+def record_holders(hostname: str) -> None:
+    """Record ``hostname`` as the holder of every message this process's Redis channels take (see the module)."""
+    from kombu.transport import redis as kombu_redis
+
+    from batchery.broker import orphans
+
+    qos = kombu_redis.QoS
+    if getattr(qos.append, "batchery_patched", False):
+        qos.batchery_hostname = hostname
+        return
+    append, remove = qos.append, qos._remove_from_indices
+
+    def append_held(self, message, delivery_tag):
+        append(self, message, delivery_tag)
+        with self.channel.conn_or_acquire() as client:
+            orphans.record_owner(client, delivery_tag, self.batchery_hostname)
+
+    def remove_held(self, delivery_tag, pipe=None):
+        return orphans.drop_owner(remove(self, delivery_tag, pipe), delivery_tag)
+
+    append_held.batchery_patched = True
+    qos.batchery_hostname = hostname
+    qos.append = append_held
+    qos._remove_from_indices = remove_held

@@ -51,6 +51,7 @@ def _run_worker(settings: Settings | None, *, resume_gc: bool) -> int:
     from celery import signals
 
     from batchery.broker.check import RedisAuthError, check_redis
+    from batchery.broker.connection import is_redis_url
     from batchery.engine.config import EngineConfig
     from batchery.worker import kombu_patches
     from batchery.worker.app import make_app
@@ -148,6 +149,8 @@ def _run_worker(settings: Settings | None, *, resume_gc: bool) -> int:
 
     chores: list = []  # background threads (presence, lost-line recovery), once the worker consumes
     hostname = settings.hostname or f"batchery-{os.getpid()}@{socket.gethostname()}"
+    if is_redis_url(settings.broker_url) and settings.orphan_grace > 0:
+        kombu_patches.record_holders(hostname)  # who holds each message, for the others if this worker dies
     queues = [settings.queue]
     affinity = _affinity(app, settings, hostname)
     if affinity is not None:

@@ -287,6 +287,13 @@ class Settings(BaseSettings):
         description="seconds between a worker's looks for batch lines whose messages the broker lost (one worker "
         "of a queue at a time; jobs quiet for that long); 0 = off",
     )
+    orphan_grace: float = Field(
+        default=60.0,
+        ge=0,
+        le=86400,
+        description="seconds after its delivery that a message held by a worker gone from the workers' presence "
+        "(killed, OOM) goes back to its queue, instead of after the visibility timeout; 0 = off",
+    )
     faults: str = Field(
         default="", description="fault injection for rehearsals (worker/service/faults.py); empty = none"
     )
