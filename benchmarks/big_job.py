@@ -368,13 +368,14 @@ def run_jobs(args, n: int, model: Path, workdir: Path, tree: Path) -> dict:
         PYTHONUNBUFFERED="1",
         PYTHONPATH=str(tree) + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
-    if args.fault:  # a SIGKILLed worker's unacknowledged messages come back after the visibility timeout
+    if args.fault and not args.default_visibility:  # chaos.py's deadlines, short enough for the visibility timeout
         env.update(
             BATCHERY_TASK_TIMEOUT="20",
             BATCHERY_MAX_TASK_TIMEOUT="20",
             BATCHERY_RETRY_BACKOFF_MAX="1",
             BATCHERY_VISIBILITY_TIMEOUT="22",
-        )  # as benchmarks/chaos.py's workers; the default (2 x BATCHERY_MAX_TASK_TIMEOUT + 60 s) is two hours
+        )  # as benchmarks/chaos.py's workers; the default (2 x BATCHERY_MAX_TASK_TIMEOUT + 60 s) is two hours, and a
+        # killed worker's messages come back by the orphan sweep (BATCHERY_ORPHAN_GRACE) then: --default-visibility
     env.pop("BATCHERY_BATCH__MAX_LINES", None)
     env["BATCHERY_BATCH__MAX_LINES"] = str(max(n, 100_000))  # the old tree's default is 100,000
     inputs = []
@@ -533,6 +534,12 @@ def main() -> int:
         action="store_true",
         help="run the jobs through `batchery serve` with the openai SDK (upload, create, poll, download) instead of "
         "the CLI; prints the server's peak RSS",
+    )
+    ap.add_argument(
+        "--default-visibility",
+        action="store_true",
+        help="with --fault: keep the workers' default deadlines and visibility timeout (two hours), so a killed "
+        "worker's messages come back only by the orphan sweep",
     )
     ap.add_argument("--fault-at", type=float, default=0.3, metavar="F", help="when F of the lines are recorded")
     args = ap.parse_args()
