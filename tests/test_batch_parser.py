@@ -80,8 +80,9 @@ def test_custom_id_is_kept_on_errors_where_known():
     assert parse_line("[]", 1).custom_id is None
 
 
-def test_valid_lines_and_duplicates():
-    seen: set[str] = set()
+@pytest.mark.parametrize("make_seen", [set, batch.SeenIds])
+def test_valid_lines_and_duplicates(make_seen):
+    seen = make_seen()
     ok = parse_line(line("a") + "\n", 1, seen)
     assert ok == BatchLine(1, "a", "/v1/chat/completions", CHAT)
     comp = parse_line(line("b", url="/v1/completions", body={"prompt": [1, 2, 3], "max_tokens": 2}), 2, seen)
@@ -94,6 +95,40 @@ def test_valid_lines_and_duplicates():
     bad = parse_line(line("c", method="PUT"), 4, seen)
     assert bad.code == batch.UNSUPPORTED_METHOD
     assert parse_line(line("c"), 5, seen).code == batch.DUPLICATE_CUSTOM_ID
+
+
+@given(st.lists(st.text(min_size=1, max_size=12), max_size=400))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_seen_ids_answer_as_a_set_of_the_strings_does(ids):
+    """Every id, unicode and lone surrogates included, found once added and never before; the table grows past its
+    first 1,024 slots on the way."""
+    seen, ref = batch.SeenIds(), set()
+    for cid in ids + [f"n{i}" for i in range(800)]:
+        assert (cid in seen) == (cid in ref)
+        assert seen.add_new(cid) == (cid not in ref)
+        ref.add(cid)
+        assert cid in seen and len(seen) == len(ref)
+    assert "\ud800never" not in seen and 7 not in seen
+
+
+def test_seen_ids_hold_a_million_ids_in_a_third_of_a_set_of_them():
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        seen = batch.SeenIds()
+        for i in range(0, 1_000_000, 10):  # 100,000 ids, as a job's custom_ids look
+            seen.add(f"request-{i}")
+        table, _peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        ref = {f"request-{i}" for i in range(0, 1_000_000, 10)}
+        as_set, _peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert all(f"request-{i}" in seen for i in range(0, 1_000_000, 10))
+    assert not any(f"request-{i}" in seen for i in range(5, 1_000_000, 10))
+    assert len(seen) == len(ref) == 100_000
+    assert table * 3 < as_set - table, (table, as_set - table)
 
 
 @pytest.mark.parametrize("raw", ["", "\n", "   \t \r\n", b"  \n"])

@@ -20,6 +20,7 @@ jumps straight to it. Pure and light: no Redis, no Celery, no torch (the client 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -103,7 +104,7 @@ def loads(raw: bytes | str) -> Any:
 
 
 def parse_line(
-    raw: bytes | str, line: int, seen: set[str] | None = None, *, max_line_bytes: int | None = None
+    raw: bytes | str, line: int, seen: set[str] | SeenIds | None = None, *, max_line_bytes: int | None = None
 ) -> BatchLine | LineError | None:
     """One physical line (with or without its newline) -> a request, an error record, or None for
     a blank line. Never raises. ``seen`` collects the custom_ids so far, for duplicate detection."""
@@ -137,7 +138,79 @@ def too_large(line: int, size: int, max_line_bytes: int) -> LineError:
     )
 
 
-def parse_object(obj: Any, line: int, seen: set[str] | None = None) -> BatchLine | LineError:
+class SeenIds:
+    """The custom_ids of a job so far, for duplicate detection over millions of lines: each id is kept as a 96-bit
+    digest (BLAKE2b) in one open-addressing table (linear probing, at most three quarters full), 16-24 bytes an id
+    where a ``set`` of the strings takes about 90. Two different ids share a digest with a probability below 1e-15
+    in a 10,000,000-line job. ``in`` and ``add``, as a set."""
+
+    _W = 12  # bytes a digest
+    _EMPTY = bytes(_W)
+
+    def __init__(self) -> None:
+        self._table = bytearray(self._W * 1024)
+        self._mask = 1023
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _digest(self, custom_id: str) -> bytes:
+        d = hashlib.blake2b(custom_id.encode("utf-8", "surrogatepass"), digest_size=self._W).digest()
+        return d if d != self._EMPTY else b"\x01" * self._W  # the empty slot's bytes stand for no id
+
+    def _find(self, table: bytearray, mask: int, d: bytes) -> tuple[int, bool]:
+        """(slot, found): where ``d`` is, or the free slot it would take."""
+        w = self._W
+        i = int.from_bytes(d[:8], "little") & mask
+        while True:
+            cur = table[i * w : i * w + w]
+            if cur == d:
+                return i, True
+            if cur == self._EMPTY:
+                return i, False
+            i = (i + 1) & mask
+
+    def __contains__(self, custom_id: object) -> bool:
+        return isinstance(custom_id, str) and self._find(self._table, self._mask, self._digest(custom_id))[1]
+
+    def add(self, custom_id: str) -> None:
+        self.add_new(custom_id)
+
+    def add_new(self, custom_id: str) -> bool:
+        """Add ``custom_id``; False if it was here already (one lookup where ``in`` then ``add`` take two)."""
+        d = self._digest(custom_id)
+        i, found = self._find(self._table, self._mask, d)
+        if found:
+            return False
+        self._table[i * self._W : (i + 1) * self._W] = d
+        self._n += 1
+        if 4 * self._n > 3 * (self._mask + 1):
+            self._grow()
+        return True
+
+    def _grow(self) -> None:
+        w, old = self._W, self._table
+        mask = 2 * (self._mask + 1) - 1
+        table = bytearray(w * (mask + 1))
+        for o in range(0, len(old), w):
+            d = bytes(old[o : o + w])
+            if d != self._EMPTY:
+                i, _ = self._find(table, mask, d)
+                table[i * w : (i + 1) * w] = d
+        self._table, self._mask = table, mask
+
+
+def _first_time(seen: set[str] | SeenIds, custom_id: str) -> bool:
+    if isinstance(seen, SeenIds):
+        return seen.add_new(custom_id)
+    if custom_id in seen:
+        return False
+    seen.add(custom_id)
+    return True
+
+
+def parse_object(obj: Any, line: int, seen: set[str] | SeenIds | None = None) -> BatchLine | LineError:
     """A decoded line (or an item of an iterable submission) -> a request or an error record."""
     if not isinstance(obj, dict):
         return LineError(line, None, INVALID_LINE, f"expected a JSON object, got {json_type(obj)}")
@@ -154,12 +227,10 @@ def parse_object(obj: Any, line: int, seen: set[str] | None = None) -> BatchLine
             MISSING_CUSTOM_ID,
             f"custom_id has {len(custom_id)} characters; the limit is {MAX_CUSTOM_ID_CHARS}",
         )
-    if seen is not None:
-        if custom_id in seen:
-            return LineError(
-                line, custom_id, DUPLICATE_CUSTOM_ID, f"custom_id {custom_id!r} already appeared earlier in this job"
-            )
-        seen.add(custom_id)
+    if seen is not None and not _first_time(seen, custom_id):
+        return LineError(
+            line, custom_id, DUPLICATE_CUSTOM_ID, f"custom_id {custom_id!r} already appeared earlier in this job"
+        )
     extra = sorted(str(k) for k in obj.keys() - LINE_KEYS)
     if extra:
         return LineError(
@@ -214,9 +285,11 @@ def iter_physical_lines(f: IO[bytes], max_line_bytes: int) -> Iterator[tuple[int
         yield line, (_TooLarge(size) if size > max_line_bytes else raw)
 
 
-def parse_stream(f: IO[bytes], max_line_bytes: int, seen: set[str] | None = None) -> Iterator[BatchLine | LineError]:
+def parse_stream(
+    f: IO[bytes], max_line_bytes: int, seen: set[str] | SeenIds | None = None
+) -> Iterator[BatchLine | LineError]:
     """Every non-blank line of a binary file, as a request or an error record, in order."""
-    seen = set() if seen is None else seen
+    seen = SeenIds() if seen is None else seen
     for line, raw in iter_physical_lines(f, max_line_bytes):
         if isinstance(raw, _TooLarge):
             yield too_large(line, raw.size, max_line_bytes)
