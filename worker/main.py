@@ -42,6 +42,12 @@ def run_worker(settings: Settings | None = None) -> int:
     gc.disable()
     try:
         return _run_worker(settings, resume_gc=gc_was_on)
+    except RuntimeError as exc:
+        # a SIGTERM during start-up raises SystemExit from the signal handler; landing inside a class's
+        # __set_name__ (an import under way), Python wraps it in a RuntimeError: exit as the SIGTERM asked
+        if isinstance(exc.__cause__, SystemExit):
+            raise exc.__cause__ from None
+        raise
     finally:
         if gc_was_on:
             gc.enable()
