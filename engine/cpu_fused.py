@@ -37,6 +37,7 @@ FUNCTIONS: list[str] = [
     "fused_rope",
     "fused_silu_mul",
     "fused_gelu",
+    "fused_add_layer_norm",
     "fused_set_scalar",
     "fused_vectorized",
 ]

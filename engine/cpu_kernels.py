@@ -38,7 +38,7 @@ from pathlib import Path
 
 log = logging.getLogger("batchery.engine.kernels")
 
-NAME = "batchery_cpu_kernels_v37"  # the module's name (and torch's build directory); the note is keyed by the sources
+NAME = "batchery_cpu_kernels_v38"  # the module's name (and torch's build directory); the note is keyed by the sources
 
 CSRC = Path(__file__).resolve().with_name("csrc")  # the C++ sources and headers
 
@@ -56,6 +56,7 @@ _FUNCTIONS = [
     "linear_panels",
     "pack_bf16",
     "linear_bf16",
+    "linear_bf16_into",
     "has_bf16_linear",
     "pack_bf16_gate_up",
     "linear_bf16_silu",

@@ -114,6 +114,7 @@ class LoadedEncoder:
     is_causal: bool  # a decoder used as an embedder
     name: str
     row_block: int = 0  # its linears run on blocks of this many rows: steps pad to a multiple (0: to MIN_STEP_ROWS)
+    fused: Any = None  # a fused_bert.FusedEncoder that runs the layers instead of transformers' modules, or None
 
 
 def is_pooling_model(model: str) -> bool:
@@ -147,7 +148,12 @@ def load_encoder(config: EngineConfig) -> LoadedEncoder:
     model = AutoModel.from_pretrained(str(path), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, **common)
     model.to(dev).eval()
     model.requires_grad_(False)
+    fused = None
     if dev.type == "cpu" and dtype == torch.bfloat16:
+        from batchery.engine import fused_bert
+
+        fused = fused_bert.install(model, dtype, dev)  # BERT encoders: five kernel calls a layer (fused_bert)
+    if fused is None and dev.type == "cpu" and dtype == torch.bfloat16:
         from batchery.engine import fast_linear
 
         # bf16: every row count through our kernels (no calibrated hand-over to oneDNN at many rows), so a row's
@@ -177,7 +183,7 @@ def load_encoder(config: EngineConfig) -> LoadedEncoder:
         pooler.max_seq_len,
         time.perf_counter() - t0,
     )
-    return LoadedEncoder(model, tokenizer, hf_config, pooler, dtype, dev, is_causal, config.model, row_block)
+    return LoadedEncoder(model, tokenizer, hf_config, pooler, dtype, dev, is_causal, config.model, row_block, fused)
 
 
 def _install_fused_gelu(model: torch.nn.Module) -> int:
@@ -261,6 +267,10 @@ class EncoderRunner:
         if self.uses_token_types:
             kwargs["token_type_ids"] = torch.zeros_like(input_ids)  # one sentence per input: type 0
         seqs = cpu_prefill.segments_array(bounds) if self.device.type == "cpu" else None
+        fused = self.loaded.fused
+        if fused is not None and seqs is not None:
+            hidden = fused.forward(input_ids, position_ids, kwargs.get("token_type_ids"), seqs)  # [T, hidden]
+            return pool(hidden, seq_lens, self.loaded.pooler)
         _local.segments = _Segments(bounds, self.loaded.is_causal, seqs)
         try:
             hidden = self.model(**kwargs).last_hidden_state[0]  # [T, hidden]

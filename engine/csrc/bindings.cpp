@@ -10,6 +10,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_panels", torch::wrap_pybind_function(linear_panels), "linear_panels");
   m.def("pack_bf16", torch::wrap_pybind_function(pack_bf16), "pack_bf16");
   m.def("linear_bf16", torch::wrap_pybind_function(linear_bf16), "linear_bf16");
+  m.def("linear_bf16_into", torch::wrap_pybind_function(linear_bf16_into), "linear_bf16_into");
   m.def("has_bf16_linear", torch::wrap_pybind_function(has_bf16_linear), "has_bf16_linear");
   m.def("pack_bf16_gate_up", torch::wrap_pybind_function(pack_bf16_gate_up), "pack_bf16_gate_up");
   m.def("linear_bf16_silu", torch::wrap_pybind_function(linear_bf16_silu), "linear_bf16_silu");
@@ -24,6 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_rope", torch::wrap_pybind_function(fused_rope), "fused_rope");
   m.def("fused_silu_mul", torch::wrap_pybind_function(fused_silu_mul), "fused_silu_mul");
   m.def("fused_gelu", torch::wrap_pybind_function(fused_gelu), "fused_gelu");
+  m.def("fused_add_layer_norm", torch::wrap_pybind_function(fused_add_layer_norm), "fused_add_layer_norm");
   m.def("fused_set_scalar", torch::wrap_pybind_function(fused_set_scalar), "fused_set_scalar");
   m.def("fused_vectorized", torch::wrap_pybind_function(fused_vectorized), "fused_vectorized");
   m.def("prefill_attention", torch::wrap_pybind_function(prefill_attention), "prefill_attention");

@@ -197,6 +197,71 @@ void norm_rows(T* res, const T* x, const T* w, T* out, int64_t rows, int64_t n, 
   });
 }
 
+// One row of n in place: x = T((a - mean) * rstd * w + b) with a = T(x + res) (the residual add rounded as torch's add
+// in dtype T), mean and variance over a in fp32 (two passes: the row is in L1), rstd = 1 / sqrt(var + eps):
+// nn.LayerNorm of the sum, which torch computes in fp32 and rounds once. res is left as it was.
+template <typename T, bool VEC>
+inline void add_layer_norm_row(T* x, const T* res, const T* w, const T* b, int64_t n, float eps, float* a) {
+  int64_t i = 0;
+  float sum = 0.f;
+#ifdef __AVX512F__
+  if (VEC) {
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = vrnd<T>(_mm512_add_ps(vload(x + i), vload(res + i)));
+      _mm512_storeu_ps(a + i, v);
+      acc = _mm512_add_ps(acc, v);
+    }
+    sum = _mm512_reduce_add_ps(acc);
+  }
+#endif
+  for (; i < n; ++i) {
+    a[i] = rnd<T>(to_f(x[i]) + to_f(res[i]));
+    sum += a[i];
+  }
+  const float mean = div_exact(sum, static_cast<float>(n));
+  float ss = 0.f;
+  i = 0;
+#ifdef __AVX512F__
+  if (VEC) {
+    const __m512 mv = _mm512_set1_ps(mean);
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+      const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(a + i), mv);
+      acc = _mm512_fmadd_ps(d, d, acc);
+    }
+    ss = _mm512_reduce_add_ps(acc);
+  }
+#endif
+  for (; i < n; ++i) ss += (a[i] - mean) * (a[i] - mean);
+  const float rstd = inv_sqrt(div_exact(ss, static_cast<float>(n)) + eps);
+  i = 0;
+#ifdef __AVX512F__
+  if (VEC) {
+    const __m512 mv = _mm512_set1_ps(mean), rv = _mm512_set1_ps(rstd);
+    for (; i + 16 <= n; i += 16) {
+      const __m512 y = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(a + i), mv), rv);
+      vstore(x + i, _mm512_fmadd_ps(y, vload(w + i), vload(b + i)));
+    }
+  }
+#endif
+  for (; i < n; ++i) x[i] = from_f<T>((a[i] - mean) * rstd * to_f(w[i]) + to_f(b[i]));
+}
+
+template <typename T>
+void add_layer_norm_rows(T* x, const T* res, const T* w, const T* b, int64_t rows, int64_t n, float eps) {
+  const bool vec = vectorized();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(n, 1)), [&](int64_t lo, int64_t hi) {
+    std::vector<float> a(n);
+    for (int64_t r = lo; r < hi; ++r) {
+      if (vec)
+        add_layer_norm_row<T, true>(x + r * n, res + r * n, w, b, n, eps, a.data());
+      else
+        add_layer_norm_row<T, false>(x + r * n, res + r * n, w, b, n, eps, a.data());
+    }
+  });
+}
+
 // Rotary embedding of one head of D in place: x1, x2 its halves; out1 = x1 c1 - x2 s1, out2 = x2 c2 + x1 s2,
 // each product and the sum rounded to T (HF: q * cos + rotate_half(q) * sin in the model dtype).
 template <typename T, bool VEC>
@@ -266,22 +331,7 @@ void silu_mul(T* g, const T* u, int64_t n) {
 // once. The vector path's erf is Abramowitz and Stegun's 7.1.26 (absolute error below 1.5e-7, far below a bf16 step;
 // the result can differ from torch's by one step of the model dtype where it falls on a rounding boundary).
 #ifdef __AVX512F__
-inline __m512 vgelu(__m512 x) {
-  const __m512 z = _mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(0.70710678118654752f));
-  const __m512 t =
-      _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(z, _mm512_set1_ps(0.3275911f), _mm512_set1_ps(1.f)));
-  __m512 p = _mm512_set1_ps(1.061405429f);
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.453152027f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.421413741f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.284496736f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.254829592f));
-  p = _mm512_mul_ps(p, t);
-  // erfc(|x| / sqrt 2) = p e; 1 + erf(x / sqrt 2) is 2 - erfc for x >= 0 and erfc itself below (no cancellation)
-  const __m512 erfc = _mm512_mul_ps(p, ::exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(z, z))));
-  const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-  const __m512 one_plus = _mm512_mask_mov_ps(_mm512_sub_ps(_mm512_set1_ps(2.f), erfc), neg, erfc);
-  return _mm512_mul_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.5f)), one_plus);
-}
+inline __m512 vgelu(__m512 x) { return ::gelu16(x); }
 #endif
 
 template <typename T>
@@ -347,6 +397,27 @@ at::Tensor fused_add_rms_norm(at::Tensor residual, at::Tensor x, at::Tensor weig
     norm_rows<c10::BFloat16, true>(residual.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(),
                                    weight.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), rows, n,
                                    static_cast<float>(eps));
+  return x;
+}
+
+// In place: x = LayerNorm(x + residual) * weight + bias (BertSelfOutput / BertOutput after their dense: the sum
+// rounded to the dtype, the norm in fp32). x, residual [..., hidden]; weight, bias [hidden]. Returns x.
+at::Tensor fused_add_layer_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, at::Tensor bias, double eps) {
+  using namespace batchery_fused;
+  check_norm(x, weight, "fused_add_layer_norm");
+  check_norm(x, bias, "fused_add_layer_norm");
+  check_rows(residual, "fused_add_layer_norm");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "fused_add_layer_norm: residual and x must have one shape and dtype");
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  if (rows == 0) return x;
+  if (x.scalar_type() == at::kFloat)
+    add_layer_norm_rows<float>(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(),
+                               bias.data_ptr<float>(), rows, n, static_cast<float>(eps));
+  else
+    add_layer_norm_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), residual.data_ptr<c10::BFloat16>(),
+                                       weight.data_ptr<c10::BFloat16>(), bias.data_ptr<c10::BFloat16>(), rows, n,
+                                       static_cast<float>(eps));
   return x;
 }
 

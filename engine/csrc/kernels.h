@@ -29,6 +29,8 @@ at::Tensor linear_panels(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<a
 // linear.cpp: bf16
 at::Tensor pack_bf16(at::Tensor w);
 at::Tensor linear_bf16(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at::Tensor> bias);
+at::Tensor linear_bf16_into(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at::Tensor> bias, at::Tensor out,
+                            bool gelu);
 bool has_bf16_linear();
 at::Tensor pack_bf16_gate_up(at::Tensor gate, at::Tensor up);
 at::Tensor linear_bf16_silu(at::Tensor x, at::Tensor wp);
@@ -45,6 +47,7 @@ at::Tensor fused_add_rms_norm(at::Tensor residual, at::Tensor x, at::Tensor weig
 void fused_rope(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
 at::Tensor fused_silu_mul(at::Tensor gate, at::Tensor up);
 at::Tensor fused_gelu(at::Tensor x);
+at::Tensor fused_add_layer_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, at::Tensor bias, double eps);
 bool fused_set_scalar(bool on);
 bool fused_vectorized();
 // prefill_attention.cpp

@@ -99,6 +99,43 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at:
 #endif
 }
 
+// out = x @ w.T + bias, or GELU of it (erf form) with gelu, written into out (bf16 [rows of x, n], contiguous: a
+// caller's workspace, so that a step's activations are not mapped and page-faulted in anew on every call); w from
+// pack_bf16, n its out_features. The sums are linear_bf16's; with gelu, the bits of linear_bf16 then cpu_fused's
+// fused_gelu (but a NaN, 0x7FC0 as fused_gelu rounds it) in one pass (an encoder's intermediate block). Returns out.
+at::Tensor linear_bf16_into(at::Tensor x, at::Tensor wp, int64_t n, c10::optional<at::Tensor> bias, at::Tensor out,
+                            bool gelu) {
+#ifdef __AVX512BF16__
+  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == 64 && wp.is_contiguous() && wp.scalar_type() == at::kInt && n % 16 == 0 &&
+                  n <= wp.size(0) * 64 && n > (wp.size(0) - 1) * 64,
+              "linear_bf16_into: the weight must come from pack_bf16");
+  const int64_t K2 = wp.size(1), N = n, K = 2 * K2;
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "linear_bf16_into: the input must be bf16 [..., K]");
+  auto xf = x.reshape({-1, K}).contiguous();
+  const int64_t M = xf.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.numel() == M * N && out.size(-1) == N &&
+                  out.data_ptr() != xf.data_ptr(),
+              "linear_bf16_into: out must be a contiguous bf16 [rows, out_features] tensor apart from x");
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "linear_bf16_into: the bias must have out_features elements");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  const auto* xp = reinterpret_cast<const uint32_t*>(xf.data_ptr());
+  const auto* w = reinterpret_cast<const uint32_t*>(wp.data_ptr());
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  if (gelu)
+    tiled_linear<TileBF16T<false, true>>(xp, w, o, M, K2, N, true, bp);
+  else
+    tiled_linear<TileBF16>(xp, w, o, M, K2, N, true, bp);
+  return out;
+#else
+  TORCH_CHECK(false, "linear_bf16_into: built without AVX512-BF16");
+  return out;
+#endif
+}
+
 // gate, up [I, K] bf16 (an MLP's two projections) -> pack_bf16 of their rows interleaved by 32: each 64-column panel
 // holds 32 gate columns and the same 32 up columns (I a multiple of 32), for linear_bf16_silu
 at::Tensor pack_bf16_gate_up(at::Tensor gate, at::Tensor up) {

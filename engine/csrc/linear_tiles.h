@@ -188,8 +188,10 @@ static inline __m256i silu_mul16(__m512 gate_sum, __m512 up_sum) {
 // y[i, n] = sum_k x[i, k] w[n, k]; wp is the weight packed as uint32 [K/2, N]: (w[n][2k], w[n][2k+1]).
 // Same 6 x 64 register tile as the fp32 kernel; vdpbf16ps multiplies a pair of k per lane.
 // SILU: the weight is an MLP's gate and up interleaved by 32 columns (pack_bf16_gate_up), so a 64-column panel holds
-// 32 of each and the tile writes SiLU(gate) * up to 32 columns of an output with N / 2 (as silu_mul16 computes it)
-template <bool SILU>
+// 32 of each and the tile writes SiLU(gate) * up to 32 columns of an output with N / 2 (as silu_mul16 computes it).
+// GELU: each sum (+ bias) rounded to bf16, then GELU (gelu16) rounded again: the bits of linear_bf16 then fused_gelu,
+// without writing and reading back the projection (an encoder's intermediate dense + GELU)
+template <bool SILU, bool GELU = false>
 struct TileBF16T {
   static constexpr bool kStrided = false;
   static constexpr int64_t kXPerK = 1;
@@ -234,6 +236,13 @@ struct TileBF16T {
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * (N / 2) + n0 / 2 + 16 * v),
                                 silu_mul16(acc[i][v], acc[i][v + 2]));
       }
+    } else if constexpr (GELU) {
+#pragma GCC unroll 8
+      for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * N + n0 + 16 * v),
+                              bf16_round16<0x7FC0>(gelu16(bf16_as_float16(bf16_round16(acc[i][v])))));
     } else {
 #pragma GCC unroll 8
       for (int i = 0; i < MB; ++i)

@@ -23,4 +23,23 @@ static inline __m512 exp_poly(__m512 x) {
 
 // exp(x) for x <= 0 (softmax terms): about 1 ulp, 0 below -87.
 static inline __m512 exp16(__m512 x) { return exp_poly(_mm512_max_ps(x, _mm512_set1_ps(-87.f))); }
+
+// GELU, erf form (torch's default, BERT's "gelu"): x / 2 (1 + erf(x / sqrt 2)). erf is Abramowitz and Stegun's 7.1.26
+// (absolute error below 1.5e-7, far below a bf16 step): cpu_fused's fused_gelu and the bf16 linear's GELU epilogue.
+static inline __m512 gelu16(__m512 x) {
+  const __m512 z = _mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(0.70710678118654752f));
+  const __m512 t =
+      _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(z, _mm512_set1_ps(0.3275911f), _mm512_set1_ps(1.f)));
+  __m512 p = _mm512_set1_ps(1.061405429f);
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.453152027f));
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.421413741f));
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.284496736f));
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.254829592f));
+  p = _mm512_mul_ps(p, t);
+  // erfc(|x| / sqrt 2) = p e; 1 + erf(x / sqrt 2) is 2 - erfc for x >= 0 and erfc itself below (no cancellation)
+  const __m512 erfc = _mm512_mul_ps(p, exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(z, z))));
+  const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 one_plus = _mm512_mask_mov_ps(_mm512_sub_ps(_mm512_set1_ps(2.f), erfc), neg, erfc);
+  return _mm512_mul_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.5f)), one_plus);
+}
 #endif
