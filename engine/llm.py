@@ -64,11 +64,13 @@ class LLM:
         params = params if params is not None else PoolingParams()
         results: dict[str, EmbeddingOutput] = {}
         order = []
+        texts = [item for item in batch if isinstance(item, str) and item]
+        encoded = iter(engine.encode_many(texts))  # the texts' ids, in order, in one batch call
         for item in batch:
             rid = f"embed-{next(self._ids)}"
             order.append(rid)
             if isinstance(item, str):
-                ids = engine.encode(item) if item else []  # an empty string fails in add_request, as at the API
+                ids = next(encoded) if item else []  # an empty string fails in add_request, as at the API
             else:
                 ids = list(item)
             try:

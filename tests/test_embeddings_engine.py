@@ -129,6 +129,26 @@ def test_token_ids_and_text_agree(llm32):
     assert by_text.embedding == by_ids.embedding and by_text.prompt_token_ids == ids
 
 
+def test_batch_tokenizing_gives_each_texts_own_ids(llm32):
+    """``LLM.embed`` tokenizes its texts in one batch call (``encode_many``): the ids ``encode`` gives one by one, in
+    order, with token-id inputs and empty strings (which fail alone) between them."""
+    engine = llm32.engine
+    texts = [*_texts(40, seed=9), "  leading and trailing  ", "naïve café 東京 🙂", " ".join(["word"] * 200)]
+    # as the model's tokenizer.json leaves the fast tokenizer's backend when loaded: padded and truncated to 128
+    engine.tokenizer.backend_tokenizer.enable_padding(length=128)
+    engine.tokenizer.backend_tokenizer.enable_truncation(128)
+    assert engine.encode_many(texts) == [engine.encode(t) for t in texts] and engine.encode_many([]) == []
+    mixed = [texts[0], engine.encode(texts[1]), "", texts[2]]
+    outs = llm32.embed(mixed)
+    assert [o.prompt_token_ids for o in outs] == [
+        engine.encode(texts[0]),
+        engine.encode(texts[1]),
+        [],
+        engine.encode(texts[2]),
+    ]
+    assert outs[2].error and all(o.error is None for i, o in enumerate(outs) if i != 2)
+
+
 def test_refusals_fail_alone(llm32):
     long = "word " * 400
     outs = llm32.embed(["fine", "", long, [], "also fine"], PoolingParams())

@@ -632,9 +632,16 @@ static void run(const Args<T>& a) {
       }
     }
   });
-  // pass 2: tasks of (sequence, KV head, query tile), small enough tiles that all threads have work
+  // pass 2: tasks of (sequence, KV head, query tile), small enough tiles that all threads have work. A tile is a
+  // whole number of the attend pass's row blocks (AMX: 2 x 16 rows; vdpbf16ps / fp32: 6 x 6), so only a sequence's
+  // last tile pads rows: with 32-row tiles of 6-row blocks every tile computed 36 rows for 32 (encoder inputs of
+  // 10-200 words: 1-6 tiles each)
+  bool amx = false;
+#ifdef BATCHERY_AMX
+  amx = BF && g_use_amx.load(std::memory_order_relaxed) && amx_permitted();
+#endif
   const int64_t nthreads = at::get_num_threads();
-  int64_t qt = 32;
+  int64_t qt = amx ? 32 : 6 * MR;
   auto count = [&](int64_t m) {
     int64_t n = 0;
     for (int64_t s = 0; s < a.S; ++s) n += (a.seqs[4 * s + 1] + m - 1) / m * a.Hkv;
@@ -654,7 +661,7 @@ static void run(const Args<T>& a) {
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
 #ifdef BATCHERY_AMX
   if constexpr (BF) {
-    if (g_use_amx.load(std::memory_order_relaxed) && amx_permitted()) {
+    if (amx) {
       attend<T, BF, true>(a, packs, kb, vb, tasks, qt * a.G);
       return;
     }

@@ -28,8 +28,12 @@ static inline __m512 exp16(__m512 x) { return exp_poly(_mm512_max_ps(x, _mm512_s
 // (absolute error below 1.5e-7, far below a bf16 step): cpu_fused's fused_gelu and the bf16 linear's GELU epilogue.
 static inline __m512 gelu16(__m512 x) {
   const __m512 z = _mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(0.70710678118654752f));
-  const __m512 t =
-      _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(z, _mm512_set1_ps(0.3275911f), _mm512_set1_ps(1.f)));
+  // t = 1 / (1 + 0.3275911 z): vrcp14ps and one Newton step (relative error about 1e-8, beside the formula's 1.5e-7)
+  // instead of a vdivps: the division was half the cost of the bf16 linear's GELU epilogue on the Zen 4 EPYC (1,024
+  // rows, 384 -> 1,536: 3.79 ms with it, 3.21-3.45 ms without, 2.94-3.03 ms with no GELU)
+  const __m512 den = _mm512_fmadd_ps(z, _mm512_set1_ps(0.3275911f), _mm512_set1_ps(1.f));
+  const __m512 r0 = _mm512_rcp14_ps(den);
+  const __m512 t = _mm512_mul_ps(r0, _mm512_fnmadd_ps(den, r0, _mm512_set1_ps(2.f)));
   __m512 p = _mm512_set1_ps(1.061405429f);
   p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.453152027f));
   p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.421413741f));
