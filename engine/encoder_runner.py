@@ -152,7 +152,7 @@ def load_encoder(config: EngineConfig) -> LoadedEncoder:
     if dev.type == "cpu" and dtype == torch.bfloat16:
         from batchery.engine import fused_bert
 
-        fused = fused_bert.install(model, dtype, dev)  # BERT encoders: five kernel calls a layer (fused_bert)
+        fused = fused_bert.install(model, dtype, dev)  # BERT encoders: seven kernel calls a layer (fused_bert)
     if fused is None and dev.type == "cpu" and dtype == torch.bfloat16:
         from batchery.engine import fast_linear
 

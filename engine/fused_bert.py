@@ -7,14 +7,14 @@ of a bf16 all-MiniLM-L6-v2 pass (``perf``: the OpenMP worker spinning), and the 
 whole activations. Here a layer is seven kernel calls on [T, hidden] rows, into buffers kept across steps
 (``linear_bf16_into``):
 
-1. ``linear_bf16`` with q, k and v packed as one weight (3 x hidden columns, one pass over the input);
+1. ``linear_bf16_into`` with q, k and v packed as one weight (3 x hidden columns, one pass over the input);
 2. ``cpu_prefill.segment_attention`` reading q, k and v in place from that output (each input attends its own rows,
    bidirectionally, as ``encoder_runner.packed_attention_forward`` does);
-3. ``linear_bf16`` (attention output dense), then ``fused_add_layer_norm`` in place (the residual add and the norm in
-   one pass);
+3. ``linear_bf16_into`` (attention output dense), then ``fused_add_layer_norm`` in place (the residual add and the
+   norm in one pass);
 4. ``linear_bf16_into(..., gelu=True)``: the intermediate dense with GELU in the tile's epilogue (the bits of the
    dense then ``fused_gelu``, without writing and reading back the projection);
-5. ``linear_bf16`` (output dense), then ``fused_add_layer_norm``.
+5. ``linear_bf16_into`` (output dense), then ``fused_add_layer_norm``.
 
 The embeddings (word + position + token type, LayerNorm) stay the model's own module, once a step. Every kernel works
 row by row (the linears' sums never depend on the row count; attention stays within an input), so an input's vector
@@ -140,10 +140,6 @@ class FusedEncoder:
             self._buffers = {"qkv": mk(3 * h), "ctx": mk(h), "a": mk(h), "b": mk(h), "inter": mk(i)}
             self._rows = t
         return {name: buf[:t] for name, buf in self._buffers.items()}
-
-    def release(self) -> None:
-        """Drop the activation buffers (the next step allocates them again)."""
-        self._buffers, self._rows = {}, 0
 
     @torch.inference_mode()
     def forward(
